@@ -1,0 +1,1 @@
+"""Integrations with third-party libraries: imported lazily, never monkey-patched."""

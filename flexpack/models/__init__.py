@@ -1,0 +1,1 @@
+"""Reference models that run on packed rows."""

@@ -1,0 +1,1 @@
+"""Testing kit for users: dense references, hypothesis strategies, block-mask assertions."""
