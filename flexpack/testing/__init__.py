@@ -1,1 +1,21 @@
-"""Testing kit for users: dense references, hypothesis strategies, block-mask assertions."""
+"""Testing kit for users: dense references, hypothesis strategies, block-mask assertions.
+
+- :func:`dense_mask` evaluates a flexpack ``Mask``, a ``mask_mod`` or a ``BlockMask`` on the
+  full (B, H, Q_LEN, KV_LEN) grid; :func:`reference_attention` is masked attention in float64.
+- :func:`assert_block_mask_matches` checks a BlockMask's element mask and block structure
+  against the mask it should implement, with a readable diff.
+- :mod:`flexpack.testing.strategies` (needs hypothesis) draws packed layouts and composed masks.
+
+Everything here materializes dense (q, kv) grids: use it at test sizes, not in training.
+"""
+
+from flexpack.testing.assertions import assert_block_mask_matches, expected_block_states
+from flexpack.testing.references import block_states, dense_mask, reference_attention
+
+__all__ = [
+    "assert_block_mask_matches",
+    "block_states",
+    "dense_mask",
+    "expected_block_states",
+    "reference_attention",
+]

@@ -1,0 +1,388 @@
+"""Hypothesis strategies for packed layouts and composed masks.
+
+Public API for users who property-test their own masks or kernels against flexpack's dense
+references. Every strategy takes keyword-only bounds and draws the edge cases that break mask
+code on purpose: padding (including whole padding rows on request), B > 1, one-token documents,
+one document filling the row, and a sequence length that is not a multiple of the block size.
+
+Requires ``hypothesis`` (the ``test`` extra).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+try:
+    from hypothesis import strategies as st
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "flexpack.testing.strategies needs hypothesis: pip install 'flexpack[test]' "
+        "(or pip install hypothesis)."
+    ) from err
+
+__all__ = ["doc_ids", "masks", "prefix_lengths", "seqlens"]
+
+# Row shapes drawn on purpose; "random" cuts the row at random points.
+_ROW_STYLES = ("random", "random", "one_doc", "single_tokens")
+
+
+def _check_bound(name: str, value: object, low: int = 1) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name} must be an int >= {low}, got {value!r}.")
+
+
+@st.composite
+def _row_seqlens(
+    draw: st.DrawFn,
+    seq_len: int,
+    *,
+    max_docs: int | None,
+    allow_padding: bool,
+    allow_empty_rows: bool,
+) -> list[int]:
+    """Document lengths of one row of ``seq_len`` tokens (sum <= seq_len)."""
+    styles = list(_ROW_STYLES) + (["empty"] if allow_empty_rows else [])
+    style = draw(st.sampled_from(styles))
+    if style == "empty":
+        return []
+    pad = 0
+    if allow_padding and seq_len > 1:
+        # Half of the rows are padded; small pads are the common case, a mostly padded row
+        # the rare one.
+        pad = draw(st.one_of(st.just(0), st.integers(1, seq_len - 1)))
+    used = seq_len - pad
+    cap = used if max_docs is None else min(used, max_docs)
+    if style == "one_doc" or cap == 1:
+        return [used]
+    if style == "single_tokens":
+        n = cap
+        return [1] * (n - 1) + [used - (n - 1)]
+    n = draw(st.integers(1, cap))
+    cuts = draw(
+        st.lists(st.integers(1, used - 1), min_size=n - 1, max_size=n - 1, unique=True).map(sorted)
+    )
+    bounds = [0, *cuts, used]
+    return [b - a for a, b in itertools.pairwise(bounds)]
+
+
+@st.composite
+def seqlens(
+    draw: st.DrawFn,
+    *,
+    max_len: int = 300,
+    batch_size: int | None = None,
+    max_batch_size: int = 3,
+    max_docs: int | None = None,
+    allow_padding: bool = True,
+    allow_empty_rows: bool = False,
+) -> list[list[int]]:
+    """Per-row document lengths of a packed batch, as ``PackedLayout.from_seqlens`` takes them.
+
+    Args:
+        max_len: tokens per row; each row's lengths sum to at most ``max_len`` (exactly
+            ``max_len`` without padding).
+        batch_size: number of rows; ``None`` draws it from 1..``max_batch_size``.
+        max_batch_size: upper bound when ``batch_size`` is None.
+        max_docs: at most this many documents per row (None: up to one per token).
+        allow_padding: rows may end in padding.
+        allow_empty_rows: rows may hold no document at all (all padding).
+
+    Returns:
+        A strategy for ``list[list[int]]``: one list of positive lengths per row.
+
+    Example:
+        >>> from hypothesis import find
+        >>> find(seqlens(max_len=8, batch_size=2), lambda rows: len(rows[0]) > 1)
+        [[1, 7], [8]]
+    """
+    _check_bound("max_len", max_len)
+    _check_bound("max_batch_size", max_batch_size)
+    if batch_size is not None:
+        _check_bound("batch_size", batch_size)
+    if max_docs is not None:
+        _check_bound("max_docs", max_docs)
+    B = batch_size if batch_size is not None else draw(st.integers(1, max_batch_size))
+    row = _row_seqlens(
+        max_len, max_docs=max_docs, allow_padding=allow_padding, allow_empty_rows=allow_empty_rows
+    )
+    return [draw(row) for _ in range(B)]
+
+
+def _seq_len_strategy(min_seq_len: int, max_seq_len: int, block_size: int) -> st.SearchStrategy:
+    # Lengths around multiples of the block size, where block-boundary bugs live, besides
+    # uniform ones.
+    near = sorted(
+        {
+            m + d
+            for m in range(block_size, max_seq_len + 2, block_size)
+            for d in (-1, 0, 1)
+            if min_seq_len <= m + d <= max_seq_len
+        }
+        | {min_seq_len, max_seq_len}
+    )
+    return st.one_of(st.integers(min_seq_len, max_seq_len), st.sampled_from(near))
+
+
+@st.composite
+def doc_ids(
+    draw: st.DrawFn,
+    *,
+    batch_size: int | None = None,
+    max_batch_size: int = 3,
+    seq_len: int | None = None,
+    min_seq_len: int = 1,
+    max_seq_len: int = 300,
+    max_docs: int | None = None,
+    allow_padding: bool = True,
+    allow_empty_rows: bool = False,
+    contiguous: bool = True,
+    block_size: int = 128,
+    dtype: torch.dtype = torch.int32,
+) -> Tensor:
+    """Document ids of a packed batch: ``(B, S)`` ints, ``-1`` (or any negative) for padding.
+
+    With ``contiguous=True`` each row is what the packer emits: ids 0..n-1 in order, then
+    padding at the end. With ``contiguous=False`` ids are arbitrary: repeated in separate runs,
+    out of order, with padding anywhere (any negative value), which document / document_causal
+    masks must still handle with equality semantics.
+
+    Args:
+        batch_size: number of rows; ``None`` draws it from 1..``max_batch_size``.
+        max_batch_size: upper bound when ``batch_size`` is None.
+        seq_len: fixed S (use it for compiled kernels, which compile once per shape); ``None``
+            draws S from ``min_seq_len``..``max_seq_len``, often next to a multiple of
+            ``block_size``.
+        min_seq_len, max_seq_len: bounds on S when ``seq_len`` is None.
+        max_docs: at most this many documents per row.
+        allow_padding: rows may end in (or, non-contiguous, contain) padding.
+        allow_empty_rows: rows may be all padding (every query of the row is fully masked).
+        contiguous: ids 0..n-1 in order per row (True) or arbitrary ids (False).
+        block_size: the block size whose multiples S is drawn around.
+        dtype: integer dtype of the result.
+
+    Returns:
+        A strategy for a (B, S) tensor of ``dtype`` on CPU.
+
+    Example:
+        >>> from hypothesis import find
+        >>> find(doc_ids(seq_len=4, batch_size=1), lambda d: bool((d < 0).any()))
+        tensor([[ 0,  0,  0, -1]], dtype=torch.int32)
+    """
+    _check_bound("max_batch_size", max_batch_size)
+    _check_bound("min_seq_len", min_seq_len)
+    _check_bound("block_size", block_size)
+    if batch_size is not None:
+        _check_bound("batch_size", batch_size)
+    if seq_len is not None:
+        _check_bound("seq_len", seq_len)
+    elif max_seq_len < min_seq_len:
+        raise ValueError(
+            f"max_seq_len must be >= min_seq_len, got max_seq_len={max_seq_len}, "
+            f"min_seq_len={min_seq_len}."
+        )
+    if dtype.is_floating_point or dtype == torch.bool or dtype.is_complex:
+        raise ValueError(f"doc_ids dtype must be an integer dtype, got {dtype}.")
+    S = (
+        seq_len
+        if seq_len is not None
+        else draw(_seq_len_strategy(min_seq_len, max_seq_len, block_size))
+    )
+    rows = draw(
+        seqlens(
+            max_len=S,
+            batch_size=batch_size,
+            max_batch_size=max_batch_size,
+            max_docs=max_docs,
+            allow_padding=allow_padding,
+            allow_empty_rows=allow_empty_rows,
+        )
+    )
+    out = torch.full((len(rows), S), -1, dtype=torch.int64)
+    for b, lengths in enumerate(rows):
+        if not contiguous:
+            lengths = _cut_runs(draw, lengths)
+            ids = _arbitrary_ids(draw, len(lengths), allow_padding, dtype)
+        else:
+            ids = list(range(len(lengths)))
+        start = 0
+        for doc, length in zip(ids, lengths, strict=True):
+            out[b, start : start + length] = doc
+            start += length
+        if not contiguous and allow_padding and start < S:
+            out[b, start:] = draw(st.integers(-3, -1))
+    return out.to(dtype)
+
+
+def _cut_runs(draw: st.DrawFn, lengths: list[int]) -> list[int]:
+    # Arbitrary layouts: the same row lengths, further cut so that adjacent runs can carry
+    # different ids (or the same id, which is then one document).
+    out: list[int] = []
+    for length in lengths:
+        if length > 1 and draw(st.booleans()):
+            cut = draw(st.integers(1, length - 1))
+            out += [cut, length - cut]
+        else:
+            out.append(length)
+    return out
+
+
+def _arbitrary_ids(draw: st.DrawFn, n: int, allow_padding: bool, dtype: torch.dtype) -> list[int]:
+    # Small pools make ids repeat in separate runs; the dtype's extremes catch overflow bugs.
+    info = torch.iinfo(dtype)
+    low = -2 if allow_padding else 0
+    extremes = [info.max] + ([info.min] if allow_padding else [])
+    pool = st.integers(low, max(1, n // 2 + 1)) | st.sampled_from(extremes)
+    return draw(st.lists(pool, min_size=n, max_size=n))
+
+
+def _row_doc_lengths(doc_row: Tensor) -> list[int]:
+    """Lengths of documents 0..n-1 of one row of contiguous doc ids."""
+    real = doc_row[doc_row >= 0]
+    if real.numel() == 0:
+        return []
+    return torch.bincount(real.to(torch.int64)).tolist()
+
+
+def _check_contiguous(doc_ids: Tensor) -> None:
+    rows = doc_ids if doc_ids.dim() == 2 else doc_ids[None]
+    for b, row in enumerate(rows):
+        real = row[row >= 0].to(torch.int64)
+        n = real.numel()
+        if n == 0:
+            continue
+        steps = real[1:] - real[:-1]
+        padded_inside = bool((row[:n] < 0).any())
+        if real[0] != 0 or bool(((steps != 0) & (steps != 1)).any()) or padded_inside:
+            raise ValueError(
+                f"prefix_lengths needs packer-style doc_ids (0..n-1 in order, padding only at "
+                f"the row end); row {b} is {row.tolist()}. Draw them with "
+                "doc_ids(contiguous=True)."
+            )
+
+
+@st.composite
+def prefix_lengths(draw: st.DrawFn, doc_ids: Tensor) -> Tensor:
+    """Per-document prefix lengths for ``prefix_lm(doc_ids, prefix_lengths)``.
+
+    Each document of length L gets a prefix length in 0..L (0: plain causal; L: fully
+    bidirectional), with those edges drawn often.
+
+    Args:
+        doc_ids: (S,) or (B, S) contiguous doc ids (0..n-1 in order per row, padding at the end),
+            e.g. drawn by ``doc_ids(contiguous=True)``.
+
+    Returns:
+        A strategy for an int64 tensor: (num_docs,) for 1-D doc_ids, (B, max_docs) for 2-D, where
+        max_docs is the largest number of documents in a row (0 past a row's documents).
+
+    Raises:
+        ValueError: doc_ids not of rank 1 or 2, or not contiguous.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import find
+        >>> d = torch.tensor([0, 0, 0, 1, -1])
+        >>> find(prefix_lengths(d), lambda p: int(p[0]) == 3)
+        tensor([3, 0])
+    """
+    if not isinstance(doc_ids, Tensor) or doc_ids.dim() not in (1, 2):
+        got = tuple(doc_ids.shape) if isinstance(doc_ids, Tensor) else type(doc_ids).__name__
+        raise ValueError(f"prefix_lengths expected doc_ids of shape (S,) or (B, S), got {got}.")
+    _check_contiguous(doc_ids)
+    rows = doc_ids if doc_ids.dim() == 2 else doc_ids[None]
+    per_row = [_row_doc_lengths(row) for row in rows]
+    width = max((len(r) for r in per_row), default=0)
+    out = torch.zeros(len(per_row), width, dtype=torch.int64)
+    for b, lengths in enumerate(per_row):
+        for d, length in enumerate(lengths):
+            edges = st.sampled_from(sorted({0, 1, length}))
+            out[b, d] = draw(st.one_of(edges, st.integers(0, length)))
+    return out if doc_ids.dim() == 2 else out[0]
+
+
+def _is_contiguous(doc_ids: Tensor) -> bool:
+    try:
+        _check_contiguous(doc_ids)
+    except ValueError:
+        return False
+    return True
+
+
+@st.composite
+def masks(
+    draw: st.DrawFn,
+    doc_ids: Tensor,
+    *,
+    max_depth: int = 2,
+    kinds: Sequence[str] | None = None,
+    max_window: int | None = None,
+) -> object:
+    """Random flexpack masks over ``doc_ids``: factories composed with ``&``, ``|`` and ``~``.
+
+    Leaves are drawn from ``causal()``, ``document(doc_ids)``, ``document(doc_ids) & causal()``,
+    ``padding(doc_ids)``, ``sliding_window(w)`` and, when doc_ids are contiguous,
+    ``prefix_lm(doc_ids, p)`` with ``p`` drawn by :func:`prefix_lengths`.
+
+    Args:
+        doc_ids: (S,) or (B, S) integer doc ids, negative for padding.
+        max_depth: nesting depth of ``&`` / ``|`` / ``~`` (0 draws a single factory).
+        kinds: restrict the leaves to these factory names (any of "causal", "document",
+            "document_causal", "padding", "sliding_window", "prefix_lm").
+        max_window: upper bound on sliding windows (default: S).
+
+    Returns:
+        A strategy for ``flexpack.masks.Mask``.
+
+    Example:
+        >>> import torch
+        >>> from hypothesis import find
+        >>> d = torch.tensor([[0, 0, 1, -1]])
+        >>> find(masks(d, max_depth=0), lambda m: m.kind == "padding").kind
+        'padding'
+    """
+    from flexpack import masks as fm
+
+    if not isinstance(doc_ids, Tensor) or doc_ids.dim() not in (1, 2):
+        got = tuple(doc_ids.shape) if isinstance(doc_ids, Tensor) else type(doc_ids).__name__
+        raise ValueError(f"masks expected doc_ids of shape (S,) or (B, S), got {got}.")
+    S = int(doc_ids.shape[-1])
+    all_kinds = ["causal", "document", "document_causal", "padding", "sliding_window"]
+    if _is_contiguous(doc_ids):
+        all_kinds.append("prefix_lm")
+    if kinds is not None:
+        unknown = set(kinds) - {*all_kinds, "prefix_lm"}
+        if unknown:
+            raise ValueError(f"masks got unknown kinds {sorted(unknown)}; expected {all_kinds}.")
+        if "prefix_lm" in kinds and "prefix_lm" not in all_kinds:
+            raise ValueError("masks can only draw prefix_lm over contiguous doc_ids.")
+        all_kinds = [k for k in all_kinds if k in kinds]
+    window_cap = S if max_window is None else max_window
+
+    def leaf() -> object:
+        kind = draw(st.sampled_from(all_kinds))
+        if kind == "causal":
+            return fm.causal()
+        if kind == "document":
+            return fm.document(doc_ids)
+        if kind == "document_causal":
+            return fm.document(doc_ids) & fm.causal()
+        if kind == "padding":
+            return fm.padding(doc_ids)
+        if kind == "sliding_window":
+            return fm.sliding_window(draw(st.integers(0, window_cap)))
+        return fm.prefix_lm(doc_ids, draw(prefix_lengths(doc_ids)))
+
+    def tree(depth: int) -> object:
+        op = draw(st.sampled_from(["leaf", "and", "or", "not"])) if depth > 0 else "leaf"
+        if op == "leaf":
+            return leaf()
+        if op == "not":
+            return ~tree(depth - 1)
+        left, right = tree(depth - 1), tree(depth - 1)
+        return left & right if op == "and" else left | right
+
+    return tree(max_depth)
