@@ -1,13 +1,719 @@
-"""Composable mask-mod factories and the top-level mask shortcuts (owned by the mask work)."""
+"""Composable attention masks for packed rows, and the top-level mask shortcuts.
+
+A :class:`Mask` pairs an element-level ``mask_mod`` (the plain ``(b, h, q_idx, kv_idx) -> bool``
+callable every torch API takes) with a block-level description that builds a ``BlockMask``
+straight from the document boundaries (:mod:`flexpack.block_mask`), without evaluating the mask
+at every (q, kv) pair as ``create_block_mask`` does. Masks compose with ``&``, ``|`` and ``~``.
+
+Shape legend:
+    B: rows of the packed batch; S: tokens per row (queries and keys alike).
+    doc_ids: (S,) or (B, S) integer tensor; any negative value marks padding, which attends to
+        nothing and is attended by nothing. (S,) is treated as (1, S).
+    prefix_lengths: (num_docs,) for (S,) doc ids, (B, max_docs) for (B, S) doc ids.
+
+Example:
+    >>> import torch
+    >>> from flexpack import masks
+    >>> doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    >>> m = masks.document(doc_ids) & masks.causal()
+    >>> m.kind, m.mask_mod.__name__
+    ('document_causal', 'document_causal')
+    >>> m.block_mask(block_size=2).shape
+    (1, 1, 6, 6)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexpack import block_mask as _bm
+
+__all__ = [
+    "Mask",
+    "causal",
+    "document",
+    "document_causal_mask",
+    "document_mask",
+    "mask_of",
+    "padding",
+    "prefix_lm",
+    "prefix_lm_mask",
+    "sliding_window",
+]
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+_KINDS = (
+    "causal",
+    "document",
+    "document_causal",
+    "prefix_lm",
+    "sliding_window",
+    "padding",
+    "and",
+    "or",
+    "not",
+)
 
 
-def document_mask(doc_ids, *, block_size=128):
-    raise NotImplementedError
+# ----------------------------------------------------------------------------- validation
 
 
-def document_causal_mask(doc_ids, *, block_size=128):
-    raise NotImplementedError
+def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
+    """Validate doc ids and return them as a (B, S) tensor (a view for (S,) input)."""
+    if not isinstance(doc_ids, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of integer document ids, got {type(doc_ids).__name__}; "
+            f"convert it with torch.as_tensor({name}, dtype=torch.int32)."
+        )
+    if doc_ids.dtype == torch.bool or doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise TypeError(
+            f"{name} must hold integer document ids (e.g. int32, -1 for padding), got dtype "
+            f"{doc_ids.dtype}; a boolean padding mask converts with "
+            f"`torch.where(mask, 0, -1).int()`, float ids with `.long()`."
+        )
+    if doc_ids.dim() not in (1, 2):
+        raise ValueError(
+            f"{name} must have shape (S,) or (B, S), got {doc_ids.dim()} dimensions "
+            f"{tuple(doc_ids.shape)}; flatten extra leading dimensions into B with "
+            f"`{name}.reshape(-1, {name}.shape[-1])`."
+        )
+    if doc_ids.numel() == 0:
+        raise ValueError(
+            f"{name} is empty (shape {tuple(doc_ids.shape)}); a mask needs at least one row of "
+            f"at least one token."
+        )
+    return doc_ids if doc_ids.dim() == 2 else doc_ids[None]
 
 
-def prefix_lm_mask(doc_ids, prefix_lengths, *, block_size=128):
-    raise NotImplementedError
+def _check_block_size(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(
+            f"block_size must be a positive int, got {block_size!r} of type "
+            f"{type(block_size).__name__}; the usual value is 128."
+        )
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive int, got {block_size}; try 128.")
+    return block_size
+
+
+def _check_window(window: Any) -> int:
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(
+            f"window must be a non-negative int, got {window!r} of type {type(window).__name__}."
+        )
+    if window < 0:
+        raise ValueError(
+            f"window must be >= 0 (q_idx - kv_idx <= window), got {window}; window=0 keeps only "
+            f"the diagonal and the future."
+        )
+    return window
+
+
+def _prefix_flags(doc_ids: Tensor, prefix_lengths: Any) -> Tensor:
+    """Validate prefix-LM inputs and return (B, S) bool: token lies in its document's prefix."""
+    if not isinstance(prefix_lengths, Tensor):
+        raise TypeError(
+            f"prefix_lengths must be a torch.Tensor of integers, got "
+            f"{type(prefix_lengths).__name__}; use torch.as_tensor(prefix_lengths)."
+        )
+    if prefix_lengths.dtype == torch.bool or prefix_lengths.is_floating_point():
+        raise TypeError(
+            f"prefix_lengths must hold integer token counts, got dtype {prefix_lengths.dtype}."
+        )
+    if prefix_lengths.device != doc_ids.device:
+        raise ValueError(
+            f"prefix_lengths is on {prefix_lengths.device} but doc_ids on {doc_ids.device}; "
+            f"move one of them, e.g. prefix_lengths.to(doc_ids.device)."
+        )
+    B, S = doc_ids.shape
+    d = doc_ids.to(torch.int64)
+    real = d >= 0
+    # Ids must be 0..n-1 in order, each document one contiguous run: every real token either
+    # continues the document of the token just before it or opens the next id.
+    prev = torch.nn.functional.pad(d[:, :-1], (1, 0), value=-1)
+    best = torch.cummax(torch.where(real, d, -1), dim=-1).values
+    best_before = torch.nn.functional.pad(best[:, :-1], (1, 0), value=-1)
+    ok = ~real | (d == best_before + 1) | ((d == best_before) & (prev == d))
+    if not bool(ok.all()):
+        bad_row = int((~ok).any(-1).nonzero()[0])
+        raise ValueError(
+            f"prefix_lm needs doc ids 0..n-1 in order with each document contiguous in its row "
+            f"(what the packer emits); row {bad_row} is {doc_ids[bad_row].tolist()[:64]}. "
+            f"Renumber the row with flexpack.PackedLayout.from_doc_ids, or use document(...) "
+            f"for arbitrary ids."
+        )
+    num_docs = best[:, -1] + 1  # (B,)
+    max_docs = int(num_docs.max())
+    pl = prefix_lengths if prefix_lengths.dim() == 2 else prefix_lengths[None]
+    expected = f"({max_docs},)" if B == 1 else f"({B}, >= {max_docs})"
+    if (
+        prefix_lengths.dim() not in (1, 2)
+        or pl.shape[0] != B
+        or pl.shape[1] < max_docs
+        or (prefix_lengths.dim() == 1 and pl.shape[1] != max_docs)
+    ):
+        raise ValueError(
+            f"prefix_lengths must have shape {expected} (one entry per document of each row), "
+            f"got {tuple(prefix_lengths.shape)}."
+        )
+    pl = pl.to(torch.int64)
+    n = pl.shape[1]
+    lengths = torch.zeros(B, n + 1, dtype=torch.int64, device=d.device)
+    lengths.scatter_add_(1, torch.where(real, d, n), torch.ones_like(d))
+    lengths = lengths[:, :n]
+    if bool((pl < 0).any()) or bool((pl > lengths).any()):
+        b, k = (((pl < 0) | (pl > lengths)).nonzero()[0]).tolist()
+        raise ValueError(
+            f"prefix_lengths[{b}, {k}] = {int(pl[b, k])} but document {k} of row {b} has "
+            f"{int(lengths[b, k])} tokens; a prefix length must lie in 0..len(document) "
+            f"(0 for absent documents)."
+        )
+    pos = torch.arange(S, device=d.device).expand(B, S)
+    starts = real & (d != prev)
+    doc_start = torch.cummax(torch.where(starts, pos, 0), dim=-1).values
+    limit = torch.gather(pl, 1, torch.clamp(d, min=0))
+    return real & ((pos - doc_start) < limit)
+
+
+def _same_layout(masks: tuple[Mask, ...]) -> Tensor | None:
+    first = None
+    for m in masks:
+        for d in m._all_doc_ids():
+            if first is None:
+                first = d
+            elif d.shape != first.shape or d.device != first.device:
+                raise ValueError(
+                    f"cannot compose masks built from doc_ids of shape {tuple(first.shape)} on "
+                    f"{first.device} and of shape {tuple(d.shape)} on {d.device}; build every "
+                    f"factor from doc ids of the same (B, S) shape on the same device."
+                )
+    return first
+
+
+# ----------------------------------------------------------------------------- mask_mods
+
+
+def _row_lookup(table: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
+    """``lookup(b, idx) -> table[b, idx]`` that is safe for any idx >= 0.
+
+    The (B, S) table is flattened with one padding slot per row (value taken from ``table``'s
+    pad) and indices are clamped into it, so flex_attention may evaluate positions past S (the
+    tail of the last block) and gets padding there. Flat 1-D indexing also keeps the compiled
+    CPU kernel happy.
+    """
+    B, S = table.shape
+    pad_value = -1 if table.dtype != torch.bool else False
+    flat = torch.nn.functional.pad(table, (0, 1), value=pad_value).reshape(-1)
+    if B == 1:
+
+        def lookup(b: Tensor, idx: Tensor) -> Tensor:
+            return flat[torch.clamp(idx, max=S)]
+
+    else:
+
+        def lookup(b: Tensor, idx: Tensor) -> Tensor:
+            return flat[b * (S + 1) + torch.clamp(idx, max=S)]
+
+    return lookup
+
+
+def _named(fn: MaskMod, name: str) -> MaskMod:
+    fn.__name__ = name
+    fn.__qualname__ = name
+    return fn
+
+
+def _causal_mod() -> MaskMod:
+    def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx >= kv_idx
+
+    return causal
+
+
+def _window_mod(window: int) -> MaskMod:
+    def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return q_idx - kv_idx <= window
+
+    return _named(sliding_window, f"sliding_window_{window}")
+
+
+def _document_mod(doc_ids: Tensor, causal: bool) -> MaskMod:
+    doc = _row_lookup(doc_ids)
+    if causal:
+
+        def document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            dq = doc(b, q_idx)
+            return (dq == doc(b, kv_idx)) & (dq >= 0) & (q_idx >= kv_idx)
+
+        return document_causal
+
+    def document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        dq = doc(b, q_idx)
+        return (dq == doc(b, kv_idx)) & (dq >= 0)
+
+    return document
+
+
+def _padding_mod(doc_ids: Tensor) -> MaskMod:
+    doc = _row_lookup(doc_ids)
+
+    def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return (doc(b, q_idx) >= 0) & (doc(b, kv_idx) >= 0)
+
+    return padding
+
+
+def _prefix_lm_mod(doc_ids: Tensor, in_prefix: Tensor) -> MaskMod:
+    doc = _row_lookup(doc_ids)
+    prefix = _row_lookup(in_prefix)
+
+    def prefix_lm(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        dq = doc(b, q_idx)
+        same = (dq == doc(b, kv_idx)) & (dq >= 0)
+        return same & ((kv_idx <= q_idx) | prefix(b, kv_idx))
+
+    return prefix_lm
+
+
+def _and_mod(mods: tuple[MaskMod, ...], name: str) -> MaskMod:
+    def and_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = mods[0](b, h, q_idx, kv_idx)
+        for mod in mods[1:]:
+            out = out & mod(b, h, q_idx, kv_idx)
+        return out
+
+    return _named(and_mask, name)
+
+
+def _or_mod(mods: tuple[MaskMod, ...], name: str) -> MaskMod:
+    def or_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        out = mods[0](b, h, q_idx, kv_idx)
+        for mod in mods[1:]:
+            out = out | mod(b, h, q_idx, kv_idx)
+        return out
+
+    return _named(or_mask, name)
+
+
+def _not_mod(mod: MaskMod, name: str) -> MaskMod:
+    def not_mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ~mod(b, h, q_idx, kv_idx)
+
+    return _named(not_mask, name)
+
+
+# ----------------------------------------------------------------------------- Mask
+
+
+class Mask:
+    """An attention mask with an element-level ``mask_mod`` and a direct BlockMask builder.
+
+    Build masks with the factories (:func:`causal`, :func:`document`, :func:`prefix_lm`,
+    :func:`sliding_window`, :func:`padding`) and compose them with ``&``, ``|`` and ``~``;
+    ``document(d) & causal()`` (either order) normalizes to kind ``"document_causal"``.
+
+    Attributes:
+        kind: one of "causal", "document", "document_causal", "prefix_lm", "sliding_window",
+            "padding", "and", "or", "not".
+        mask_mod: plain ``(b, h, q_idx, kv_idx) -> bool Tensor`` callable with a stable
+            ``__name__`` (e.g. ``"and(document_causal, sliding_window_256)"``); works with
+            ``create_block_mask``, ``and_masks``, ``or_masks`` and ``flex_attention``.
+        doc_ids: (B, S) integer tensor the mask was built from (for compositions, that of the
+            first factor that has one), or None.
+        window: the window of a sliding_window mask, else None.
+        children: the factors of an and/or/not mask, else ().
+
+    Example:
+        >>> import torch
+        >>> d = torch.tensor([0, 0, 1, 1])
+        >>> m = document(d) & sliding_window(1) | ~padding(d)
+        >>> m.kind, m.mask_mod.__name__
+        ('or', 'or(and(document, sliding_window_1), not(padding))')
+    """
+
+    __slots__ = ("_in_prefix", "children", "doc_ids", "kind", "mask_mod", "window")
+
+    def __init__(
+        self,
+        kind: str,
+        mask_mod: MaskMod,
+        *,
+        doc_ids: Tensor | None = None,
+        window: int | None = None,
+        children: tuple[Mask, ...] = (),
+        in_prefix: Tensor | None = None,
+    ) -> None:
+        assert kind in _KINDS, kind
+        self.kind = kind
+        self.mask_mod = mask_mod
+        self.doc_ids = doc_ids
+        self.window = window
+        self.children = children
+        self._in_prefix = in_prefix
+        # Lets mask_of() find the Mask behind a BlockMask (the mask_mod travels with it).
+        mask_mod._flexpack_mask = self  # type: ignore[attr-defined]
+
+    @property
+    def name(self) -> str:
+        """The mask_mod's ``__name__``."""
+        return self.mask_mod.__name__
+
+    def __repr__(self) -> str:
+        shape = "" if self.doc_ids is None else f", doc_ids={tuple(self.doc_ids.shape)}"
+        return f"Mask({self.name}{shape})"
+
+    def _all_doc_ids(self) -> list[Tensor]:
+        if self.children:
+            return [d for c in self.children for d in c._all_doc_ids()]
+        return [] if self.doc_ids is None else [self.doc_ids]
+
+    # -- composition -------------------------------------------------------------------------
+
+    def __and__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return _compose("and", (self, other))
+
+    def __or__(self, other: Mask) -> Mask:
+        if not isinstance(other, Mask):
+            return NotImplemented
+        return _compose("or", (self, other))
+
+    def __invert__(self) -> Mask:
+        doc_ids = _same_layout((self,))
+        return Mask(
+            "not", _not_mod(self.mask_mod, f"not({self.name})"), doc_ids=doc_ids, children=(self,)
+        )
+
+    # -- block level -------------------------------------------------------------------------
+
+    def _classes(self, block_size: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        """(B or 1, nq, nk) int8 in-range block classes (see flexpack.block_mask)."""
+        k = self.kind
+        if k == "causal":
+            return _bm.classify_causal(q_len, kv_len, block_size, device)
+        if k == "sliding_window":
+            return _bm.classify_sliding_window(self.window, q_len, kv_len, block_size, device)
+        if k == "document":
+            return _bm.classify_document(self.doc_ids, block_size)
+        if k == "document_causal":
+            return _bm.combine_and(
+                _bm.classify_document(self.doc_ids, block_size),
+                _bm.classify_causal(q_len, kv_len, block_size, device),
+            )
+        if k == "padding":
+            return _bm.classify_padding(self.doc_ids, block_size)
+        if k == "prefix_lm":
+            return _bm.classify_prefix_lm(self.doc_ids, self._in_prefix, block_size)
+        parts = [c._classes(block_size, q_len, kv_len, device) for c in self.children]
+        if k == "and":
+            return _bm.combine_and(*parts)
+        if k == "or":
+            return _bm.combine_or(*parts)
+        return _bm.combine_not(parts[0])
+
+    def block_mask(
+        self,
+        *,
+        block_size: int = 128,
+        B: int | None = None,
+        Q_LEN: int | None = None,
+        KV_LEN: int | None = None,
+        device: torch.device | str | None = None,
+    ) -> BlockMask:
+        """Build the BlockMask from document boundaries, without a per-element evaluation.
+
+        Primitive masks give exactly ``create_block_mask``'s block structure; compositions are
+        exact at element level and never looser than exact at block level.
+
+        Args:
+            block_size: tokens per block (queries and keys).
+            B: batch size; defaults to the doc ids' rows (1 for masks without doc ids). A B=1
+                mask may be expanded to any B.
+            Q_LEN, KV_LEN: sequence lengths; default S of the doc ids and must equal it for
+                masks with doc ids; required for masks without.
+            device: defaults to the doc ids' device (the default device without doc ids).
+
+        Returns:
+            BlockMask of shape (B, 1, Q_LEN, KV_LEN).
+
+        Raises:
+            TypeError/ValueError: unusable block_size, B, lengths or device.
+
+        Example:
+            >>> import torch
+            >>> bm = document(torch.tensor([0, 0, 1, 1, 1])).block_mask(block_size=2)
+            >>> bm.shape, bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+            ((1, 1, 5, 5), [[[0, 1, 2]]], [[[1, 1, 0]]])
+        """
+        block_size = _check_block_size(block_size)
+        doc_ids = _same_layout((self,))
+        if doc_ids is not None:
+            rows, S = doc_ids.shape
+            for name, value in (("Q_LEN", Q_LEN), ("KV_LEN", KV_LEN)):
+                if value is not None and value != S:
+                    raise ValueError(
+                        f"{name}={value} but the mask's doc_ids have S={S} tokens; leave {name} "
+                        f"unset or pass doc ids covering all {value} positions (-1 for padding)."
+                    )
+            q_len = kv_len = S
+            if device is not None and torch.device(device) != doc_ids.device:
+                raise ValueError(
+                    f"device={device} but the mask's doc_ids live on {doc_ids.device}; move the "
+                    f"doc ids (doc_ids.to(device)) before building the mask."
+                )
+            dev = doc_ids.device
+        else:
+            if Q_LEN is None or KV_LEN is None:
+                raise ValueError(
+                    f"mask {self.name!r} has no doc_ids, so Q_LEN and KV_LEN are required, got "
+                    f"Q_LEN={Q_LEN}, KV_LEN={KV_LEN}."
+                )
+            q_len, kv_len, rows = int(Q_LEN), int(KV_LEN), 1
+            if q_len <= 0 or kv_len <= 0:
+                raise ValueError(f"Q_LEN and KV_LEN must be positive, got {q_len}, {kv_len}.")
+            dev = torch.device(device) if device is not None else torch.get_default_device()
+        if B is not None and B != rows and rows != 1:
+            raise ValueError(
+                f"B={B} but the mask's doc_ids have {rows} rows; leave B unset or pass B={rows}."
+            )
+        classes = self._classes(block_size, q_len, kv_len, dev)
+        return _bm.build_block_mask(
+            classes,
+            block_size=block_size,
+            q_len=q_len,
+            kv_len=kv_len,
+            mask_mod=self.mask_mod,
+            batch=B if B is not None else classes.shape[0],
+        )
+
+
+def _compose(op: str, masks: tuple[Mask, ...]) -> Mask:
+    doc_ids = _same_layout(masks)
+    flat: list[Mask] = []
+    for m in masks:  # a & (b & c) -> and(a, b, c)
+        flat.extend(m.children if m.kind == op else (m,))
+    if op == "and":
+        flat = _merge_document_causal(flat)
+        if len(flat) == 1:
+            return flat[0]
+    name = f"{op}({', '.join(m.name for m in flat)})"
+    mods = tuple(m.mask_mod for m in flat)
+    mod = _and_mod(mods, name) if op == "and" else _or_mod(mods, name)
+    return Mask(op, mod, doc_ids=doc_ids, children=tuple(flat))
+
+
+def _merge_document_causal(factors: list[Mask]) -> list[Mask]:
+    """Fuse the first document factor with a causal factor into one document_causal mask."""
+    kinds = [m.kind for m in factors]
+    if "document" not in kinds or "causal" not in kinds:
+        return factors
+    i, j = kinds.index("document"), kinds.index("causal")
+    fused = _document_causal(factors[i].doc_ids)
+    out = [m for n, m in enumerate(factors) if n not in (i, j)]
+    out.insert(min(i, j), fused)
+    return out
+
+
+# ----------------------------------------------------------------------------- factories
+
+
+def causal() -> Mask:
+    """Causal mask: query q attends key kv iff ``kv <= q``.
+
+    Returns:
+        Mask of kind "causal" (no doc_ids; give Q_LEN/KV_LEN to ``.block_mask``).
+
+    Example:
+        >>> causal().block_mask(block_size=2, Q_LEN=4, KV_LEN=4).kv_num_blocks.tolist()
+        [[[1, 1]]]
+    """
+    return Mask("causal", _causal_mod())
+
+
+def sliding_window(window: int) -> Mask:
+    """Sliding window: q attends kv iff ``q - kv <= window`` (future keys are not excluded).
+
+    Combine with :func:`causal` for flash-attn's ``window_size=(window, 0)``.
+
+    Args:
+        window: non-negative int.
+
+    Raises:
+        TypeError: window not an int. ValueError: window < 0.
+
+    Example:
+        >>> m = causal() & sliding_window(256)
+        >>> m.mask_mod.__name__, m.children[1].window
+        ('and(causal, sliding_window_256)', 256)
+    """
+    window = _check_window(window)
+    return Mask("sliding_window", _window_mod(window), window=window)
+
+
+def document(doc_ids: Tensor) -> Mask:
+    """Document mask: q attends kv iff ``doc_ids[q] == doc_ids[kv] >= 0`` (bidirectional).
+
+    Any integer ids are valid (repeated, non-contiguous: equality semantics).
+
+    Args:
+        doc_ids: (S,) or (B, S) integer tensor; negative marks padding.
+
+    Raises:
+        TypeError: doc_ids not an integer tensor. ValueError: rank not 1 or 2, or empty.
+
+    Example:
+        >>> import torch
+        >>> m = document(torch.tensor([0, 0, 1, -1]))
+        >>> m.mask_mod(torch.tensor(0), torch.tensor(0), torch.tensor(1), torch.tensor(0))
+        tensor(True)
+    """
+    d = _as_doc_ids(doc_ids)
+    return Mask("document", _named(_document_mod(d, causal=False), "document"), doc_ids=d)
+
+
+def _document_causal(d: Tensor) -> Mask:
+    return Mask(
+        "document_causal", _named(_document_mod(d, causal=True), "document_causal"), doc_ids=d
+    )
+
+
+def padding(doc_ids: Tensor) -> Mask:
+    """Padding mask: q attends kv iff both are real tokens (``doc_ids >= 0``).
+
+    Args:
+        doc_ids: (S,) or (B, S) integer tensor; negative marks padding.
+
+    Raises:
+        TypeError: doc_ids not an integer tensor. ValueError: rank not 1 or 2, or empty.
+
+    Example:
+        >>> import torch
+        >>> padding(torch.tensor([0, 1, -1])).block_mask(block_size=1).kv_num_blocks.tolist()
+        [[[0, 0, 0]]]
+    """
+    d = _as_doc_ids(doc_ids)
+    return Mask("padding", _named(_padding_mod(d), "padding"), doc_ids=d)
+
+
+def prefix_lm(doc_ids: Tensor, prefix_lengths: Tensor) -> Mask:
+    """Prefix-LM mask per document.
+
+    Inside each document, its first ``prefix_lengths[doc]`` tokens attend to each other
+    bidirectionally; every other token attends causally and to the whole prefix of its own
+    document. Nothing crosses a document boundary; padding attends to nothing.
+
+    Args:
+        doc_ids: (S,) or (B, S) integer tensor, ids 0..n-1 in order per row (each document
+            contiguous), negative for padding.
+        prefix_lengths: (num_docs,) integer for (S,) doc ids; (B, max_docs) for (B, S), with
+            0 in the columns of documents a row does not have.
+
+    Raises:
+        TypeError: non-integer inputs. ValueError: bad shapes, a prefix longer than its
+            document or negative, doc ids not 0..n-1 in order, inputs on different devices.
+
+    Example:
+        >>> import torch
+        >>> m = prefix_lm(torch.tensor([0, 0, 0, 1, 1]), torch.tensor([2, 0]))
+        >>> q, kv = torch.tensor(0), torch.tensor(1)
+        >>> bool(m.mask_mod(q, q, q, kv)), bool(m.mask_mod(q, q, q, torch.tensor(2)))
+        (True, False)
+    """
+    d = _as_doc_ids(doc_ids)
+    in_prefix = _prefix_flags(d, prefix_lengths)
+    return Mask(
+        "prefix_lm",
+        _named(_prefix_lm_mod(d, in_prefix), "prefix_lm"),
+        doc_ids=d,
+        in_prefix=in_prefix,
+    )
+
+
+def mask_of(block_mask: BlockMask) -> Mask | None:
+    """The flexpack Mask a BlockMask was built from, or None for foreign BlockMasks.
+
+    Example:
+        >>> import torch
+        >>> bm = document_causal_mask(torch.tensor([0, 0, 1]))
+        >>> mask_of(bm).kind
+        'document_causal'
+    """
+    mod = getattr(block_mask, "mask_mod", None)
+    mod = getattr(mod, "fn", mod)  # torch may wrap the mask_mod
+    mask = getattr(mod, "_flexpack_mask", None)
+    return mask if isinstance(mask, Mask) else None
+
+
+# ----------------------------------------------------------------------------- shortcuts
+
+
+def document_mask(doc_ids: Tensor, *, block_size: int = 128) -> BlockMask:
+    """BlockMask where q attends kv iff ``doc_ids[q] == doc_ids[kv]`` and both are >= 0.
+
+    Args:
+        doc_ids: (S,) or (B, S) integer tensor; negative marks padding.
+        block_size: tokens per block.
+
+    Returns:
+        BlockMask of shape (B or 1, 1, S, S) on doc_ids' device.
+
+    Raises:
+        TypeError/ValueError: see :func:`document`; unusable block_size.
+
+    Example:
+        >>> import torch
+        >>> document_mask(torch.tensor([0, 0, 1, 1]), block_size=2).kv_num_blocks.tolist()
+        [[[0, 0]]]
+    """
+    return document(doc_ids).block_mask(block_size=block_size)
+
+
+def document_causal_mask(doc_ids: Tensor, *, block_size: int = 128) -> BlockMask:
+    """BlockMask where q attends kv iff ``doc_ids[q] == doc_ids[kv] >= 0`` and ``kv <= q``.
+
+    Args:
+        doc_ids: (S,) or (B, S) integer tensor; negative marks padding.
+        block_size: tokens per block.
+
+    Returns:
+        BlockMask of shape (B or 1, 1, S, S) on doc_ids' device.
+
+    Raises:
+        TypeError/ValueError: see :func:`document`; unusable block_size.
+
+    Example:
+        >>> import torch
+        >>> bm = document_causal_mask(torch.tensor([[0, 0, 1, 1], [0, 0, 0, -1]]), block_size=2)
+        >>> bm.shape, bm.full_kv_num_blocks.tolist()
+        ((2, 1, 4, 4), [[[0, 0]], [[0, 0]]])
+    """
+    return _document_causal(_as_doc_ids(doc_ids)).block_mask(block_size=block_size)
+
+
+def prefix_lm_mask(doc_ids: Tensor, prefix_lengths: Tensor, *, block_size: int = 128) -> BlockMask:
+    """BlockMask of :func:`prefix_lm`: bidirectional prefix, causal rest, per document.
+
+    Args:
+        doc_ids: (S,) or (B, S) integer, ids 0..n-1 in order per row, negative for padding.
+        prefix_lengths: (num_docs,) for (S,) doc ids, (B, max_docs) for (B, S).
+        block_size: tokens per block.
+
+    Returns:
+        BlockMask of shape (B or 1, 1, S, S) on doc_ids' device.
+
+    Raises:
+        TypeError/ValueError: see :func:`prefix_lm`; unusable block_size.
+
+    Example:
+        >>> import torch
+        >>> prefix_lm_mask(torch.tensor([0, 0, 0, 1]), torch.tensor([3, 1])).shape
+        (1, 1, 4, 4)
+    """
+    return prefix_lm(doc_ids, prefix_lengths).block_mask(block_size=block_size)

@@ -1,0 +1,403 @@
+"""BlockMasks built straight from document boundaries, without evaluating the mask per element.
+
+``create_block_mask`` evaluates a mask_mod at every (q, kv) pair: O(B * S^2) work and, eagerly,
+gigabytes of memory at 16K tokens. A document mask is fully described by per-block statistics of
+the doc ids, so this module classifies every (q_block, kv_block) pair as empty, partial or full
+from those statistics, combines the classifications of composed masks, and hands the result to
+``BlockMask.from_kv_blocks``. Everything here is vectorized torch (no Python loop over documents
+or blocks), so it runs on CPU and CUDA alike; memory is O(B * nq * nk), the size of the BlockMask.
+
+Shape legend:
+    B: batch rows of the doc ids (1 for masks that do not depend on them).
+    S: sequence length (queries and keys alike).
+    bs: block size; nq = ceil(Q_LEN / bs) query blocks, nk = ceil(KV_LEN / bs) key blocks.
+    classes: (B, nq, nk) int8 with EMPTY = 0, PARTIAL = 1, FULL = 2.
+
+The classes of a primitive describe the pairs that lie inside the sequence ("in range");
+``build_block_mask`` then demotes FULL to PARTIAL on blocks that reach past the end, because
+``create_block_mask`` pads the element mask with False there and never reports such a block full.
+With those three values, composition is arithmetic: ``and`` is the element-wise minimum,
+``or`` the maximum and ``not`` is ``2 - x``. That is exact whenever one factor decides the block
+(empty or full) and conservative (PARTIAL) otherwise: never looser than exact.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+__all__ = [
+    "EMPTY",
+    "FULL",
+    "PARTIAL",
+    "build_block_mask",
+    "classify_causal",
+    "classify_document",
+    "classify_padding",
+    "classify_prefix_lm",
+    "classify_sliding_window",
+    "combine_and",
+    "combine_not",
+    "combine_or",
+]
+
+
+def _num_blocks(length: int, block_size: int) -> int:
+    return (length + block_size - 1) // block_size
+
+
+def _block_bounds(length: int, block_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """First and last (inclusive) in-range position of each block: two (n,) int64 tensors."""
+    start = torch.arange(_num_blocks(length, block_size), device=device) * block_size
+    last = torch.clamp(start + block_size, max=length) - 1
+    return start, last
+
+
+def _classes(nonempty: Tensor, full: Tensor) -> Tensor:
+    # full implies nonempty, so the sum is 0 (empty), 1 (partial) or 2 (full).
+    return nonempty.to(torch.int8) + full.to(torch.int8)
+
+
+def classify_causal(
+    q_len: int, kv_len: int, block_size: int, device: torch.device | str | None = None
+) -> Tensor:
+    """Classes of the causal mask ``q_idx >= kv_idx``.
+
+    Returns:
+        (1, nq, nk) int8 classes.
+
+    Example:
+        >>> classify_causal(4, 4, 2)
+        tensor([[[1, 0],
+                 [2, 1]]], dtype=torch.int8)
+    """
+    qs, qe = _block_bounds(q_len, block_size, device)
+    ks, ke = _block_bounds(kv_len, block_size, device)
+    full = qs[:, None] >= ke[None, :]
+    nonempty = qe[:, None] >= ks[None, :]
+    return _classes(nonempty, full)[None]
+
+
+def classify_sliding_window(
+    window: int,
+    q_len: int,
+    kv_len: int,
+    block_size: int,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Classes of the sliding-window mask ``q_idx - kv_idx <= window``.
+
+    Returns:
+        (1, nq, nk) int8 classes.
+
+    Example:
+        >>> classify_sliding_window(1, 6, 6, 2)
+        tensor([[[2, 2, 2],
+                 [1, 2, 2],
+                 [0, 1, 2]]], dtype=torch.int8)
+    """
+    qs, qe = _block_bounds(q_len, block_size, device)
+    ks, ke = _block_bounds(kv_len, block_size, device)
+    full = (qe[:, None] - ks[None, :]) <= window
+    nonempty = (qs[:, None] - ke[None, :]) <= window
+    return _classes(nonempty, full)[None]
+
+
+class _BlockStats:
+    """Per-block statistics of (B, S) doc ids over the in-range tokens of each block.
+
+    Attributes (all (B, nb)): ``any_real`` (a token >= 0), ``all_real`` (no negative token),
+    ``lo``/``hi`` (min/max id over the real tokens; meaningless where not any_real).
+    """
+
+    def __init__(self, doc_ids: Tensor, block_size: int) -> None:
+        B, S = doc_ids.shape
+        nb = _num_blocks(S, block_size)
+        tail = nb * block_size - S
+        d = doc_ids.to(torch.int64)
+        real = d >= 0
+        pad_token = ~real
+        if tail:
+            # Out-of-range positions are neither real nor padding.
+            d = torch.nn.functional.pad(d, (0, tail), value=-1)
+            real = torch.nn.functional.pad(real, (0, tail), value=False)
+            pad_token = torch.nn.functional.pad(pad_token, (0, tail), value=False)
+        d = d.view(B, nb, block_size)
+        real = real.view(B, nb, block_size)
+        big = torch.iinfo(torch.int64).max
+        self.any_real = real.any(-1)
+        self.all_real = ~pad_token.view(B, nb, block_size).any(-1)
+        self.lo = torch.where(real, d, big).amin(-1)
+        self.hi = torch.where(real, d, -big).amax(-1)
+        self.single = self.any_real & (self.lo == self.hi)
+
+
+def _rows_sorted(doc_ids: Tensor) -> bool:
+    """Whether the real (>= 0) ids of every row are non-decreasing (one host sync)."""
+    d = doc_ids.to(torch.int64)
+    real = d >= 0
+    running = torch.cummax(torch.where(real, d, -1), dim=-1).values
+    return bool(torch.all(~real | (d == running)))
+
+
+def _nonempty_generic(doc_ids: Tensor, block_size: int) -> Tensor:
+    """(B, nb, nb) bool: whether q block i and kv block j share a real id, for arbitrary ids.
+
+    Unique (row, block, id) triples are grouped by (row, id); every pair of blocks inside a group
+    shares that id. Work is sum over groups of size^2: at most bs times the block matrix, and
+    close to the number of non-empty block pairs for realistic layouts.
+    """
+    B, S = doc_ids.shape
+    device = doc_ids.device
+    nb = _num_blocks(S, block_size)
+    out = torch.zeros(B * nb * nb, dtype=torch.bool, device=device)
+    d = doc_ids.to(torch.int64).reshape(-1)
+    pos = torch.arange(B * S, device=device)
+    real = d >= 0
+    d, pos = d[real], pos[real]
+    if d.numel() == 0:
+        return out.view(B, nb, nb)
+    row = pos // S
+    blk = (pos % S) // block_size
+    _, rank = torch.unique(d, return_inverse=True)
+    n_ids = int(rank.max()) + 1
+    # One key per (row, id, block), sorted so that groups (row, id) are contiguous.
+    key = torch.unique((row * n_ids + rank) * nb + blk)
+    group = key // nb
+    blk = key % nb
+    row = group // n_ids
+    _, sizes = torch.unique_consecutive(group, return_counts=True)
+    starts = torch.cumsum(sizes, 0) - sizes
+    size_of = torch.repeat_interleave(sizes, sizes)  # group size of every triple
+    start_of = torch.repeat_interleave(starts, sizes)  # group start of every triple
+    left = torch.repeat_interleave(torch.arange(key.numel(), device=device), size_of)
+    first_copy = torch.cumsum(size_of, 0) - size_of
+    k = torch.arange(left.numel(), device=device) - torch.repeat_interleave(first_copy, size_of)
+    right = start_of[left] + k
+    out[(row[left] * nb + blk[left]) * nb + blk[right]] = True
+    return out.view(B, nb, nb)
+
+
+def _document_classes(stats: _BlockStats, nonempty: Tensor) -> Tensor:
+    full = (
+        (stats.single & stats.all_real)[:, :, None]
+        & (stats.single & stats.all_real)[:, None, :]
+        & (stats.lo[:, :, None] == stats.lo[:, None, :])
+    )
+    return _classes(nonempty, full)
+
+
+def _document_nonempty(doc_ids: Tensor, stats: _BlockStats, block_size: int, sorted_: bool):
+    if sorted_:
+        # Real ids non-decreasing along the row: for blocks i < j every id of i is <= every id
+        # of j, so the id ranges overlap exactly when the blocks share an id.
+        return (
+            stats.any_real[:, :, None]
+            & stats.any_real[:, None, :]
+            & (stats.lo[:, :, None] <= stats.hi[:, None, :])
+            & (stats.lo[:, None, :] <= stats.hi[:, :, None])
+        )
+    return _nonempty_generic(doc_ids, block_size)
+
+
+def classify_document(doc_ids: Tensor, block_size: int) -> Tensor:
+    """Classes of the document mask ``doc[q] == doc[kv] >= 0``, exact for arbitrary ids.
+
+    Args:
+        doc_ids: (B, S) integer; negative values mark padding.
+        block_size: tokens per block.
+
+    Returns:
+        (B, nb, nb) int8 classes, nb = ceil(S / block_size).
+
+    Example:
+        >>> classify_document(torch.tensor([[0, 0, 0, 1, 1, -1]]), 2)
+        tensor([[[2, 1, 0],
+                 [1, 1, 1],
+                 [0, 1, 1]]], dtype=torch.int8)
+    """
+    stats = _BlockStats(doc_ids, block_size)
+    nonempty = _document_nonempty(doc_ids, stats, block_size, _rows_sorted(doc_ids))
+    return _document_classes(stats, nonempty)
+
+
+def classify_padding(doc_ids: Tensor, block_size: int) -> Tensor:
+    """Classes of the padding mask ``doc[q] >= 0 and doc[kv] >= 0``.
+
+    Returns:
+        (B, nb, nb) int8 classes.
+
+    Example:
+        >>> classify_padding(torch.tensor([[0, 0, 1, -1]]), 2)
+        tensor([[[2, 1],
+                 [1, 1]]], dtype=torch.int8)
+    """
+    stats = _BlockStats(doc_ids, block_size)
+    side = _classes(stats.any_real, stats.all_real)  # (B, nb): one factor per block
+    return torch.minimum(side[:, :, None], side[:, None, :])
+
+
+def classify_prefix_lm(doc_ids: Tensor, in_prefix: Tensor, block_size: int) -> Tensor:
+    """Classes of the prefix-LM mask ``doc[q] == doc[kv] >= 0 and (kv <= q or in_prefix[kv])``.
+
+    Exact when every document is one contiguous run and its prefix its first tokens (what
+    ``flexpack.masks.prefix_lm`` validates). Below the block diagonal every pair has kv < q, so
+    the mask is the document mask; above it kv > q, and a pair is allowed only when both tokens
+    lie in the prefix of the same document, i.e. the document mask of the "prefix doc ids"
+    (doc id on prefix tokens, -1 elsewhere). On the diagonal the pair (t, t) is allowed for every
+    real token t, and the block is full when it is one document without padding whose tokens
+    after the first are all prefix (the causal part covers the rest).
+
+    Args:
+        doc_ids: (B, S) integer, 0..n-1 in order per row, negative for padding.
+        in_prefix: (B, S) bool, True on the prefix tokens of each document.
+        block_size: tokens per block.
+
+    Returns:
+        (B, nb, nb) int8 classes.
+
+    Example:
+        >>> d = torch.tensor([[0, 0, 0, 0, 1, 1]])
+        >>> classify_prefix_lm(d, torch.tensor([[1, 1, 1, 0, 1, 0]]).bool(), 2)
+        tensor([[[2, 1, 0],
+                 [2, 1, 0],
+                 [0, 0, 1]]], dtype=torch.int8)
+    """
+    B, S = doc_ids.shape
+    nb = _num_blocks(S, block_size)
+    sorted_ = True  # validated by the caller: ids 0..n-1 in order
+    stats = _BlockStats(doc_ids, block_size)
+    doc = _document_classes(stats, _document_nonempty(doc_ids, stats, block_size, sorted_))
+    pdoc_ids = torch.where(in_prefix, doc_ids.to(torch.int64), -1)
+    pstats = _BlockStats(pdoc_ids, block_size)
+    pdoc = _document_classes(pstats, _document_nonempty(pdoc_ids, pstats, block_size, sorted_))
+    i = torch.arange(nb, device=doc_ids.device)
+    lower = i[:, None] > i[None, :]
+    out = torch.where(lower, doc, pdoc)
+    # Diagonal: non-empty iff the block holds a real token (the pair (t, t)). Full iff one
+    # document, no padding, and every token but the block's first in the prefix (those are
+    # the keys some query of the block sees ahead of itself).
+    block_start = (torch.arange(S, device=doc_ids.device) % block_size) == 0
+    ok = torch.nn.functional.pad(in_prefix | block_start, (0, nb * block_size - S), value=True)
+    diag_full = stats.single & stats.all_real & ok.view(B, nb, block_size).all(-1)
+    diag = _classes(stats.any_real, diag_full)
+    out[:, i, i] = diag
+    return out
+
+
+def combine_and(*classes: Tensor) -> Tensor:
+    """Classes of the intersection: empty if any is empty, full if all are full.
+
+    Example:
+        >>> a = torch.tensor([[[0, 1, 2]]], dtype=torch.int8)
+        >>> combine_and(a, torch.full_like(a, 1))
+        tensor([[[0, 1, 1]]], dtype=torch.int8)
+    """
+    out = classes[0]
+    for c in classes[1:]:
+        out = torch.minimum(out, c)
+    return out
+
+
+def combine_or(*classes: Tensor) -> Tensor:
+    """Classes of the union: full if any is full, empty if all are empty.
+
+    Example:
+        >>> a = torch.tensor([[[0, 1, 2]]], dtype=torch.int8)
+        >>> combine_or(a, torch.full_like(a, 1))
+        tensor([[[1, 1, 2]]], dtype=torch.int8)
+    """
+    out = classes[0]
+    for c in classes[1:]:
+        out = torch.maximum(out, c)
+    return out
+
+
+def combine_not(classes: Tensor) -> Tensor:
+    """Classes of the complement: full and empty swap, partial stays.
+
+    Example:
+        >>> combine_not(torch.tensor([[[0, 1, 2]]], dtype=torch.int8))
+        tensor([[[2, 1, 0]]], dtype=torch.int8)
+    """
+    return FULL - classes
+
+
+def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
+    """Row counts and column indices of a (..., n, m) bool matrix, as ``create_block_mask``.
+
+    The indices list the True columns in ascending order, then the False ones in ascending
+    order (a stable descending sort): (..., n) int32 and (..., n, m) int32.
+    """
+    num = dense.sum(-1, dtype=torch.int32)
+    m = dense.shape[-1]
+    # Destination of column j: its rank among the True columns, or after all of them.
+    true_rank = torch.cumsum(dense, -1, dtype=torch.int32)
+    col = torch.arange(1, m + 1, dtype=torch.int32, device=dense.device)
+    dest = torch.where(dense, true_rank, num[..., None] + col - true_rank) - 1
+    indices = torch.empty(dense.shape, dtype=torch.int32, device=dense.device)
+    indices.scatter_(-1, dest.to(torch.int64), col.expand_as(dest) - 1)
+    return num, indices
+
+
+def build_block_mask(
+    classes: Tensor,
+    *,
+    block_size: int,
+    q_len: int,
+    kv_len: int,
+    mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    batch: int | None = None,
+) -> BlockMask:
+    """A BlockMask of shape (B, 1, q_len, kv_len) from in-range block classes.
+
+    Blocks that reach past ``q_len`` or ``kv_len`` are demoted from full to partial, matching
+    ``create_block_mask``.
+
+    Args:
+        classes: (B, nq, nk) int8 in {EMPTY, PARTIAL, FULL}.
+        block_size: tokens per block, both sides.
+        q_len, kv_len: sequence lengths.
+        mask_mod: the element mask the kernel applies inside partial blocks.
+        batch: expand a B=1 classification to this many rows.
+
+    Example:
+        >>> bm = build_block_mask(classify_causal(4, 4, 2), block_size=2, q_len=4, kv_len=4,
+        ...                       mask_mod=lambda b, h, q, kv: q >= kv)
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+        ([[[1, 1]]], [[[0, 1]]])
+    """
+    if batch is not None and classes.shape[0] != batch:
+        classes = classes.expand(batch, *classes.shape[1:])
+    if q_len % block_size:
+        classes = classes.clone()
+        classes[:, -1] = torch.clamp(classes[:, -1], max=PARTIAL)
+    if kv_len % block_size:
+        if q_len % block_size == 0:
+            classes = classes.clone()
+        classes[:, :, -1] = torch.clamp(classes[:, :, -1], max=PARTIAL)
+    classes = classes[:, None]  # (B, 1, nq, nk): one head, broadcast by flex_attention
+    partial = classes == PARTIAL
+    full = classes == FULL
+    kv_num, kv_idx = _ordered(partial)
+    full_kv_num, full_kv_idx = _ordered(full)
+    q_num, q_idx = _ordered(partial.transpose(-2, -1))
+    full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    return BlockMask(
+        seq_lengths=(q_len, kv_len),
+        kv_num_blocks=kv_num,
+        kv_indices=kv_idx,
+        full_kv_num_blocks=full_kv_num,
+        full_kv_indices=full_kv_idx,
+        q_num_blocks=q_num,
+        q_indices=q_idx,
+        full_q_num_blocks=full_q_num,
+        full_q_indices=full_q_idx,
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod,
+    )
