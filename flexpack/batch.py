@@ -1,9 +1,267 @@
-"""PackedBatch: per-token tensors of packed rows (owned by the packing work)."""
+"""``PackedBatch``: the per-token tensors of packed rows, and :func:`pack_sequences`.
+
+A packed row, torchtune-style (``max_len=8``, documents ``[5, 6, 7]`` and ``[8, 9]``, pad id 0)::
+
+    input_ids     5     6     7     8     9     0     0     0
+    labels     -100     6     7  -100     9  -100  -100  -100
+    doc_ids       0     0     0     1     1    -1    -1    -1
+    position_ids  0     1     2     0     1     0     0     0
+
+Labels are HF-style unshifted (``labels[t]`` is the token at ``t``; the model shifts), so the
+first token of every document, which would be predicted from the previous document, is -100.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flexpack.layout import PackedLayout, _placement
+
+if TYPE_CHECKING:
+    from flexpack.packing import PackPlan
+
+__all__ = ["IGNORE_INDEX", "PackedBatch", "pack_sequences"]
+
+IGNORE_INDEX = -100
 
 
+@dataclass(frozen=True, eq=False)
 class PackedBatch:
-    pass
+    """Packed rows ready for a model: token ids, labels and their :class:`PackedLayout`.
+
+    Attributes:
+        input_ids: (R, S) int64; the pad id on padding.
+        labels: (R, S) int64; -100 on padding and on the first token of every document
+            (HF-style unshifted: the model shifts), per-sample labels kept elsewhere.
+        layout: the :class:`PackedLayout` of the rows; ``doc_ids``, ``position_ids``,
+            ``cu_seqlens``, ``seqlens``, ``max_seqlen`` are forwarded from it.
+
+    Example:
+        >>> batch = pack_sequences([[5, 6, 7], [8, 9]], max_len=8)
+        >>> batch.input_ids
+        tensor([[5, 6, 7, 8, 9, 0, 0, 0]])
+        >>> batch.labels
+        tensor([[-100,    6,    7, -100,    9, -100, -100, -100]])
+        >>> batch.doc_ids
+        tensor([[ 0,  0,  0,  1,  1, -1, -1, -1]], dtype=torch.int32)
+        >>> batch.position_ids
+        tensor([[0, 1, 2, 0, 1, 0, 0, 0]])
+        >>> batch.cu_seqlens, batch.max_seqlen
+        (tensor([0, 3, 5], dtype=torch.int32), 3)
+    """
+
+    input_ids: Tensor
+    labels: Tensor
+    layout: PackedLayout
+
+    def __post_init__(self) -> None:
+        shape = tuple(self.layout.shape)
+        for name in ("input_ids", "labels"):
+            t = getattr(self, name)
+            if not isinstance(t, Tensor) or tuple(t.shape) != shape:
+                got = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"{name} must be a tensor of the layout's shape {shape}; got {got}"
+                )
+
+    @property
+    def doc_ids(self) -> Tensor:
+        """(R, S) int32: document of each token within its row, -1 on padding."""
+        return self.layout.doc_ids
+
+    @property
+    def position_ids(self) -> Tensor:
+        """(R, S) int64: position within the document, restarting at 0; 0 on padding."""
+        return self.layout.position_ids
+
+    @property
+    def cu_seqlens(self) -> Tensor:
+        """(N + 1,) int32: document boundaries in the unpadded token stream."""
+        return self.layout.cu_seqlens
+
+    @property
+    def seqlens(self) -> Tensor:
+        """(N,) int32: document lengths, row-major."""
+        return self.layout.seqlens
+
+    @property
+    def max_seqlen(self) -> int:
+        """The longest document."""
+        return self.layout.max_seqlen
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(R, S)."""
+        return self.layout.shape
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedBatch:
+        """The same batch on ``device``.
+
+        Example:
+            >>> pack_sequences([[1, 2]], max_len=4).to("cpu").input_ids.device
+            device(type='cpu')
+        """
+        return PackedBatch(
+            self.input_ids.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+            self.layout.to(device, non_blocking=non_blocking),
+        )
+
+    def __repr__(self) -> str:
+        r, s = self.shape
+        return f"PackedBatch(shape=({r}, {s}), layout={self.layout!r})"
 
 
-def pack_sequences(sequences, max_len, **pack_kwargs):
-    raise NotImplementedError
+def _split_item(item: Any) -> tuple[Any, Any]:
+    if isinstance(item, Mapping):
+        if "input_ids" not in item:
+            raise ValueError(
+                f"a dict sample needs an 'input_ids' key; got keys {sorted(item)[:8]}. "
+                "Rename the column or pass the token lists themselves."
+            )
+        return item["input_ids"], item.get("labels")
+    return item, None
+
+
+def _to_array(x: Any, what: str) -> np.ndarray:
+    if isinstance(x, Tensor):
+        x = x.detach().cpu().numpy()
+    arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
+        raise TypeError(
+            f"{what} must be a 1-D sequence of integer token ids; got "
+            f"{type(x).__name__} with shape {arr.shape} and dtype {arr.dtype}"
+        )
+    return arr
+
+
+def _length_of(item: Any, index: int) -> int:
+    ids, _ = _split_item(item)
+    if isinstance(ids, Tensor | np.ndarray) and ids.ndim != 1:
+        raise TypeError(
+            f"sequence {index} must be 1-D token ids; got shape {tuple(ids.shape)}. "
+            "Pass one sequence per sample."
+        )
+    try:
+        return len(ids)
+    except TypeError:
+        raise TypeError(
+            f"sequence {index} must be a sequence of token ids or a dict with 'input_ids'; got "
+            f"{type(ids).__name__}"
+        ) from None
+
+
+def _materialize(
+    plan: PackPlan,
+    seg: np.ndarray,
+    num_docs: np.ndarray,
+    sequences: Sequence[Any],
+    *,
+    pad_id: int = 0,
+) -> PackedBatch:
+    """Gather tokens for segments ``seg`` (rows renumbered 0..R-1): one concatenation of the
+    samples needed, then index arithmetic; no Python loop over tokens or rows."""
+    max_len = plan.max_len
+    num_rows = num_docs.shape[0]
+    try:
+        n_seq = len(sequences)
+    except TypeError:
+        raise TypeError(
+            f"sequences must be indexable (a list or dataset); got {type(sequences).__name__}"
+        ) from None
+    if n_seq != plan.lengths.shape[0]:
+        raise ValueError(
+            f"the plan was made for {plan.lengths.shape[0]} samples but {n_seq} sequences were "
+            "given; materialize with the same sequences you packed"
+        )
+    seqlens = seg[:, 3] - seg[:, 2]
+    p = _placement(seqlens, num_docs, max_len)
+    samples, inverse = np.unique(seg[:, 1], return_inverse=True)
+
+    ids_parts, label_parts, any_labels = [], [], False
+    for i in samples.tolist():
+        ids, lab = _split_item(sequences[i])
+        arr = _to_array(ids, f"sequence {i}")
+        if arr.shape[0] != plan.lengths[i]:
+            raise ValueError(
+                f"sequence {i} has {arr.shape[0]} tokens but the plan was made for "
+                f"{int(plan.lengths[i])}; materialize with the same sequences you packed"
+            )
+        ids_parts.append(arr)
+        if lab is not None:
+            lab_arr = _to_array(lab, f"labels of sequence {i}")
+            if lab_arr.shape[0] != arr.shape[0]:
+                raise ValueError(
+                    f"sequence {i} has {arr.shape[0]} input_ids but {lab_arr.shape[0]} labels; "
+                    "they must have the same length"
+                )
+            any_labels = True
+            label_parts.append(lab_arr)
+        else:
+            label_parts.append(arr)
+    if ids_parts:
+        flat_ids = np.concatenate(ids_parts).astype(np.int64, copy=False)
+        sizes = np.fromiter((a.shape[0] for a in ids_parts), np.int64, len(ids_parts))
+    else:
+        flat_ids = np.zeros(0, dtype=np.int64)
+        sizes = np.zeros(0, dtype=np.int64)
+    sample_offset = np.cumsum(sizes) - sizes
+    src = np.repeat(sample_offset[inverse] + seg[:, 2], seqlens) + p.offset_in_doc
+
+    input_ids = np.full(num_rows * max_len, pad_id, dtype=np.int64)
+    input_ids[p.dest] = flat_ids[src]
+    labels = np.full(num_rows * max_len, IGNORE_INDEX, dtype=np.int64)
+    if any_labels:
+        labels[p.dest] = np.concatenate(label_parts).astype(np.int64, copy=False)[src]
+    else:
+        labels[p.dest] = input_ids[p.dest]
+    labels[p.doc_row * max_len + p.doc_col] = IGNORE_INDEX
+
+    layout = PackedLayout._from_placement(seqlens, num_docs, max_len, placement=p)
+    return PackedBatch(
+        torch.from_numpy(input_ids.reshape(num_rows, max_len)),
+        torch.from_numpy(labels.reshape(num_rows, max_len)),
+        layout,
+    )
+
+
+def pack_sequences(
+    sequences: Sequence[Any], max_len: int, *, pad_id: int = 0, **pack_kwargs: Any
+) -> PackedBatch:
+    """Pack token sequences into rows of ``max_len`` and gather them: ``pack`` + ``materialize``.
+
+    Args:
+        sequences: token sequences (lists, numpy arrays, 1-D tensors) or dicts with
+            ``"input_ids"`` and optional ``"labels"``.
+        max_len: tokens per row.
+        pad_id: token id on padding.
+        **pack_kwargs: ``strategy``, ``overflow``, ``seed``, ``max_docs_per_row`` of
+            :func:`flexpack.pack`.
+
+    Example:
+        >>> batch = pack_sequences([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]},
+        ...                         [4, 5]], max_len=6, strategy="greedy")
+        >>> batch.labels
+        tensor([[-100, -100,    3, -100,    5, -100]])
+    """
+    from flexpack.packing import pack
+
+    try:
+        n = len(sequences)
+    except TypeError:
+        raise TypeError(
+            f"sequences must be a sized, indexable collection; got {type(sequences).__name__}. "
+            "Wrap an iterator in list(...)."
+        ) from None
+    lengths = np.fromiter((_length_of(sequences[i], i) for i in range(n)), np.int64, n)
+    plan = pack(lengths, max_len, **pack_kwargs)
+    return plan.materialize(sequences, pad_id=pad_id)

@@ -1,5 +1,475 @@
-"""PackedLayout: the one layout object for packed rows (owned by the packing work)."""
+"""``PackedLayout``: where every document sits in a batch of packed rows.
+
+One frozen object carries the layout everywhere (packer, masks, varlen kernels, loss). It stores
+``doc_ids`` and derives every other view from it, in flash-attn's vocabulary:
+
+====================  ================  ==========================================================
+view                  shape, dtype      meaning
+====================  ================  ==========================================================
+``doc_ids``           (B, S) int32      document of each token within its row; -1 on padding
+``position_ids``      (B, S) int64      position of each token in its document; 0 on padding
+``seqlens``           (N,) int32        length of every document, row-major
+``cu_seqlens``        (N + 1,) int32    cumulative ``seqlens`` over the unpadded token stream
+``indices``           (T,) int64        positions of the T real tokens in the flat (B * S,) stream
+``max_seqlen``        int               longest document
+``num_docs``          (B,) int64        documents per row
+====================  ================  ==========================================================
+
+A *document* is a maximal run of equal, non-negative ``doc_ids`` within a row. Each constructor is
+named by its input and has an inverse view, so ``PackedLayout.from_X(layout.X) == layout``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["PackedLayout"]
 
 
+class _Placement(NamedTuple):
+    """Where the documents of rows built from per-row seqlens land (all numpy, int64)."""
+
+    doc_row: np.ndarray  # (N,) row of each document
+    doc_local: np.ndarray  # (N,) index of the document within its row
+    doc_col: np.ndarray  # (N,) column of its first token
+    doc_first_token: np.ndarray  # (N,) exclusive cumsum of seqlens: its offset in the token stream
+    dest: np.ndarray  # (T,) flat (B * S,) position of every real token, ascending
+    offset_in_doc: np.ndarray  # (T,) position of every real token within its document
+
+
+def _placement(seqlens: np.ndarray, num_docs: np.ndarray, max_len: int) -> _Placement:
+    """Index arithmetic shared by ``from_seqlens`` and ``PackPlan.materialize``: no Python loop
+    over documents or tokens. seqlens (N,) >= 1, num_docs (B,) with sum N; rows must fit."""
+    num_rows = num_docs.shape[0]
+    n = seqlens.shape[0]
+    doc_row = np.repeat(np.arange(num_rows, dtype=np.int64), num_docs)
+    first_doc = np.cumsum(num_docs) - num_docs  # (B,) index of each row's first document
+    doc_local = np.arange(n, dtype=np.int64) - np.repeat(first_doc, num_docs)
+    csum = np.cumsum(seqlens)
+    doc_first_token = csum - seqlens
+    row_first_token = np.zeros(num_rows, dtype=np.int64)
+    has_docs = num_docs > 0
+    row_first_token[has_docs] = doc_first_token[first_doc[has_docs]]
+    doc_col = doc_first_token - np.repeat(row_first_token, num_docs)
+    total = int(csum[-1]) if n else 0
+    offset_in_doc = np.arange(total, dtype=np.int64) - np.repeat(doc_first_token, seqlens)
+    dest = np.repeat(doc_row * max_len + doc_col, seqlens) + offset_in_doc
+    return _Placement(doc_row, doc_local, doc_col, doc_first_token, dest, offset_in_doc)
+
+
+def _as_int_tensor(x, name: str) -> Tensor:
+    if isinstance(x, np.ndarray):
+        x = torch.from_numpy(np.ascontiguousarray(x))
+    if not isinstance(x, Tensor):
+        try:
+            x = torch.as_tensor(x)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(
+                f"{name} must be a tensor or array of integers; got {type(x).__name__} ({e})"
+            ) from None
+    if x.dtype == torch.bool or x.is_floating_point() or x.is_complex():
+        raise TypeError(
+            f"{name} must hold integers; got dtype {x.dtype}. Convert with .long() first."
+        )
+    return x
+
+
+@dataclass(frozen=True, eq=False)
 class PackedLayout:
-    pass
+    """The layout of B packed rows of S tokens: which document each token belongs to.
+
+    Build it with a constructor named by what you have: :meth:`from_seqlens` (per-row document
+    lengths), :meth:`from_doc_ids`, :meth:`from_position_ids` or :meth:`from_cu_seqlens`. The
+    views (``position_ids``, ``seqlens``, ``cu_seqlens``, ...) are computed on ``doc_ids``'s
+    device on first use and cached.
+
+    Args:
+        doc_ids: (B, S) int32 (any integer dtype is converted); tokens of one document share a
+            non-negative id and are contiguous within a row; -1 (any negative value) marks padding.
+
+    Example:
+        >>> layout = PackedLayout.from_seqlens([[3, 2], [4]], max_len=6)
+        >>> layout.doc_ids
+        tensor([[ 0,  0,  0,  1,  1, -1],
+                [ 0,  0,  0,  0, -1, -1]], dtype=torch.int32)
+        >>> layout.position_ids
+        tensor([[0, 1, 2, 0, 1, 0],
+                [0, 1, 2, 3, 0, 0]])
+        >>> layout.cu_seqlens, layout.max_seqlen
+        (tensor([0, 3, 5, 9], dtype=torch.int32), 4)
+    """
+
+    doc_ids: Tensor
+
+    def __post_init__(self) -> None:
+        d = _as_int_tensor(self.doc_ids, "doc_ids")
+        if d.dim() != 2:
+            raise ValueError(
+                f"doc_ids must be 2-D (B, S); got shape {tuple(d.shape)}. "
+                "Use doc_ids[None] for a single row."
+            )
+        if d.dtype != torch.int32:
+            d = d.to(torch.int32)
+        object.__setattr__(self, "doc_ids", d)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_seqlens(
+        cls,
+        seqlens: Sequence[Sequence[int]],
+        max_len: int | None = None,
+        *,
+        device: torch.device | str | None = None,
+    ) -> PackedLayout:
+        """Rows from their document lengths, documents packed left, padding at the row ends.
+
+        Args:
+            seqlens: one sequence of positive document lengths per row (a row may be empty).
+            max_len: S, the row length; ``None`` uses the fullest row.
+            device: where the tensors go (default CPU).
+
+        Raises:
+            ValueError: a length is < 1, or a row holds more than ``max_len`` tokens.
+
+        Inverse: :attr:`row_seqlens`.
+
+        Example:
+            >>> PackedLayout.from_seqlens([[2, 1], [3]]).doc_ids
+            tensor([[0, 0, 1],
+                    [0, 0, 0]], dtype=torch.int32)
+        """
+        if isinstance(seqlens, (str, bytes)) or not isinstance(seqlens, Sequence | np.ndarray):
+            raise TypeError(
+                "seqlens must be a sequence of per-row sequences of document lengths, e.g. "
+                f"[[3, 2], [4]]; got {type(seqlens).__name__}"
+            )
+        rows = []
+        for r, row in enumerate(seqlens):
+            arr = np.asarray(row.tolist() if isinstance(row, Tensor) else row)
+            if arr.size == 0:
+                arr = np.zeros(0, dtype=np.int64)
+            if arr.ndim != 1 or arr.dtype.kind not in "iu":
+                raise TypeError(
+                    f"seqlens[{r}] must be a 1-D sequence of integers; got {row!r}. Pass one "
+                    "list of document lengths per row, e.g. [[3, 2], [4]]."
+                )
+            rows.append(arr.astype(np.int64, copy=False))
+        num_docs = np.array([len(a) for a in rows], dtype=np.int64)
+        flat = np.concatenate(rows) if rows else np.zeros(0, dtype=np.int64)
+        if flat.size and flat.min() < 1:
+            bad = int(np.argmax(flat < 1))
+            raise ValueError(
+                f"document lengths must be >= 1; got {int(flat[bad])} (document {bad}, "
+                "row-major). Leave empty documents out."
+            )
+        row_tokens = np.array([int(a.sum()) for a in rows], dtype=np.int64)
+        longest = int(row_tokens.max()) if row_tokens.size else 0
+        if max_len is None:
+            max_len = longest
+        if isinstance(max_len, bool) or not isinstance(max_len, int | np.integer):
+            raise TypeError(f"max_len must be an int; got {type(max_len).__name__}")
+        max_len = int(max_len)
+        if max_len < 0 or longest > max_len:
+            r = int(np.argmax(row_tokens))
+            raise ValueError(
+                f"row {r} holds {longest} tokens but max_len={max_len}. "
+                "Raise max_len or move documents to other rows."
+            )
+        return cls._from_placement(flat, num_docs, max_len, device=device)
+
+    @classmethod
+    def _from_placement(
+        cls,
+        seqlens: np.ndarray,
+        num_docs: np.ndarray,
+        max_len: int,
+        *,
+        placement: _Placement | None = None,
+        device: torch.device | str | None = None,
+    ) -> PackedLayout:
+        """Fast path for validated input: builds doc_ids and fills the view caches at once."""
+        p = placement if placement is not None else _placement(seqlens, num_docs, max_len)
+        num_rows = num_docs.shape[0]
+        doc_ids = np.full(num_rows * max_len, -1, dtype=np.int32)
+        doc_ids[p.dest] = np.repeat(p.doc_local, seqlens)
+        position_ids = np.zeros(num_rows * max_len, dtype=np.int64)
+        position_ids[p.dest] = p.offset_in_doc
+        cu = np.zeros(seqlens.shape[0] + 1, dtype=np.int32)
+        np.cumsum(seqlens, out=cu[1:])
+
+        def t(a: np.ndarray) -> Tensor:
+            x = torch.from_numpy(a)
+            return x if device is None else x.to(device)
+
+        layout = cls(t(doc_ids.reshape(num_rows, max_len)))
+        cache = layout.__dict__
+        cache["position_ids"] = t(position_ids.reshape(num_rows, max_len))
+        cache["seqlens"] = t(seqlens.astype(np.int32))
+        cache["cu_seqlens"] = t(cu)
+        cache["indices"] = t(p.dest)
+        cache["num_docs"] = t(num_docs.astype(np.int64, copy=True))
+        cache["max_seqlen"] = int(seqlens.max()) if seqlens.size else 0
+        return layout
+
+    @classmethod
+    def from_doc_ids(cls, doc_ids: Tensor | np.ndarray | Sequence) -> PackedLayout:
+        """The layout of given document ids.
+
+        Args:
+            doc_ids: (B, S) or (S,) integers; a document is a run of equal non-negative ids in a
+                row, negative ids are padding. Values are kept as given (masks compare them).
+
+        Inverse: :attr:`doc_ids`.
+
+        Example:
+            >>> PackedLayout.from_doc_ids([[0, 0, 1, -1]]).seqlens
+            tensor([2, 1], dtype=torch.int32)
+        """
+        d = _as_int_tensor(doc_ids, "doc_ids")
+        if d.dim() == 1:
+            d = d[None]
+        return cls(d)
+
+    @classmethod
+    def from_position_ids(
+        cls, position_ids: Tensor | np.ndarray | Sequence, attention_mask: Tensor | None = None
+    ) -> PackedLayout:
+        """The layout of position ids that restart at 0 for every document.
+
+        This is what HF's ``DataCollatorWithFlattening`` emits. Padding cannot be told from a
+        one-token document by position ids alone, so pass ``attention_mask`` when rows are padded.
+
+        Args:
+            position_ids: (B, S) or (S,) integers; a document starts wherever the value is 0.
+            attention_mask: (B, S) bool or 0/1, true on real tokens (HF convention); default all.
+
+        Inverse: :attr:`position_ids` (with ``attention_mask=layout.doc_ids >= 0``).
+
+        Example:
+            >>> PackedLayout.from_position_ids([[0, 1, 2, 0, 1, 0]],
+            ...                                attention_mask=[[1, 1, 1, 1, 1, 0]]).doc_ids
+            tensor([[ 0,  0,  0,  1,  1, -1]], dtype=torch.int32)
+        """
+        pos = _as_int_tensor(position_ids, "position_ids")
+        if pos.dim() == 1:
+            pos = pos[None]
+        if pos.dim() != 2:
+            raise ValueError(f"position_ids must be (B, S) or (S,); got shape {tuple(pos.shape)}")
+        if attention_mask is None:
+            real = torch.ones_like(pos, dtype=torch.bool)
+        else:
+            real = torch.as_tensor(attention_mask, device=pos.device)
+            if real.dim() == 1:
+                real = real[None]
+            if real.shape != pos.shape:
+                raise ValueError(
+                    f"attention_mask has shape {tuple(real.shape)} but position_ids has "
+                    f"{tuple(pos.shape)}; they must match."
+                )
+            real = real.bool()
+        start = (pos == 0) & real
+        start[:, 0] = real[:, 0]
+        # A real token after padding starts a document even if its position is not 0.
+        start[:, 1:] |= real[:, 1:] & ~real[:, :-1]
+        doc = torch.cumsum(start.to(torch.int32), dim=1, dtype=torch.int32) - 1
+        return cls(torch.where(real, doc, torch.full_like(doc, -1)))
+
+    @classmethod
+    def from_cu_seqlens(
+        cls,
+        cu_seqlens: Tensor | np.ndarray | Sequence,
+        indices: Tensor | np.ndarray | Sequence | None = None,
+        *,
+        shape: tuple[int, int] | None = None,
+    ) -> PackedLayout:
+        """The layout of flash-attn varlen metadata: ``cu_seqlens`` over an unpadded token stream.
+
+        Args:
+            cu_seqlens: (N + 1,) int, starting at 0, non-decreasing; document i is tokens
+                ``cu_seqlens[i]:cu_seqlens[i + 1]`` of the unpadded stream.
+            indices: (T,) int64, ascending positions of those tokens in the flat (B * S,)
+                padded stream (flash-attn ``unpad_input``); default: tokens fill rows from the
+                left, so with ``shape=None`` all documents share one row of T tokens.
+            shape: (B, S) of the padded batch; required with ``indices``.
+
+        Raises:
+            ValueError: ``cu_seqlens`` is not a valid prefix sum, ``indices`` do not match it,
+                or a document would straddle two rows.
+
+        Inverse: :attr:`cu_seqlens` and :attr:`indices`:
+        ``from_cu_seqlens(l.cu_seqlens, l.indices, shape=l.shape) == l``.
+
+        Example:
+            >>> PackedLayout.from_cu_seqlens([0, 3, 5]).doc_ids
+            tensor([[0, 0, 0, 1, 1]], dtype=torch.int32)
+            >>> PackedLayout.from_cu_seqlens([0, 3, 5], [0, 1, 2, 4, 5], shape=(2, 3)).doc_ids
+            tensor([[ 0,  0,  0],
+                    [-1,  0,  0]], dtype=torch.int32)
+        """
+        cu = _as_int_tensor(cu_seqlens, "cu_seqlens").to(torch.int64)
+        if cu.dim() != 1 or cu.numel() < 1 or int(cu[0]) != 0:
+            raise ValueError(
+                f"cu_seqlens must be 1-D (N + 1,) starting at 0; got {cu.tolist()[:8]}"
+                f"{'...' if cu.numel() > 8 else ''} of shape {tuple(cu.shape)}"
+            )
+        lengths = cu[1:] - cu[:-1]
+        if bool((lengths < 0).any()):
+            raise ValueError("cu_seqlens must be non-decreasing; it is a cumulative sum of seqlens")
+        total = int(cu[-1])
+        device = cu.device
+        if indices is None:
+            if shape is None:
+                shape = (1, total)
+            num_rows, max_len = shape
+            if num_rows != 1 or max_len < total:
+                raise ValueError(
+                    f"without indices the documents fill one row, so shape must be (1, S >= "
+                    f"{total}); got {shape}. Pass indices to place them in several rows."
+                )
+            idx = torch.arange(total, device=device)
+        else:
+            if shape is None:
+                raise ValueError("indices need shape=(B, S) of the padded batch")
+            num_rows, max_len = shape
+            idx = _as_int_tensor(indices, "indices").to(device=device, dtype=torch.int64)
+            if idx.dim() != 1 or idx.numel() != total:
+                raise ValueError(
+                    f"indices must be (T,) with T = cu_seqlens[-1] = {total}; got shape "
+                    f"{tuple(idx.shape)}"
+                )
+            if total and (
+                bool((idx[1:] <= idx[:-1]).any())
+                or int(idx[0]) < 0
+                or int(idx[-1]) >= num_rows * max_len
+            ):
+                raise ValueError(
+                    f"indices must be strictly increasing positions in [0, {num_rows * max_len})"
+                )
+        doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+        row = idx // max(max_len, 1)
+        nonempty = lengths > 0
+        if bool(nonempty.any()):
+            first = cu[:-1][nonempty]
+            last = cu[1:][nonempty] - 1
+            if bool((row[first] != row[last]).any()):
+                raise ValueError(
+                    "a document straddles two rows: every document's tokens must lie in one row "
+                    "of the (B, S) batch"
+                )
+        first_doc = torch.full((num_rows,), total + lengths.numel(), device=device)
+        first_doc = first_doc.scatter_reduce(0, row, doc, reduce="amin")
+        flat = torch.full((num_rows * max_len,), -1, dtype=torch.int32, device=device)
+        flat[idx] = (doc - first_doc[row]).to(torch.int32)
+        return cls(flat.reshape(num_rows, max_len))
+
+    # ------------------------------------------------------------------ views
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, S): rows and tokens per row."""
+        return tuple(self.doc_ids.shape)  # type: ignore[return-value]
+
+    @property
+    def device(self) -> torch.device:
+        return self.doc_ids.device
+
+    @cached_property
+    def _starts(self) -> Tensor:
+        """(B, S) bool: the token begins a document."""
+        d = self.doc_ids
+        real = d >= 0
+        start = real.clone()
+        start[:, 1:] &= d[:, 1:] != d[:, :-1]
+        return start
+
+    @cached_property
+    def position_ids(self) -> Tensor:
+        """(B, S) int64: position of each token within its document, 0 on padding."""
+        start = self._starts
+        _, width = self.shape
+        col = torch.arange(width, device=self.device).expand_as(start)
+        run_start = torch.where(start, col, torch.zeros_like(col)).cummax(dim=1).values
+        return torch.where(self.doc_ids >= 0, col - run_start, torch.zeros_like(col))
+
+    @cached_property
+    def indices(self) -> Tensor:
+        """(T,) int64: positions of the real tokens in the flat (B * S,) stream, ascending."""
+        return torch.nonzero(self.doc_ids.reshape(-1) >= 0).reshape(-1)
+
+    @cached_property
+    def cu_seqlens(self) -> Tensor:
+        """(N + 1,) int32: document boundaries in the unpadded stream (flash-attn varlen)."""
+        starts = torch.nonzero(self._starts.reshape(-1)[self.indices]).reshape(-1)
+        end = torch.tensor([self.indices.numel()], device=self.device)
+        return torch.cat([starts, end]).to(torch.int32)
+
+    @cached_property
+    def seqlens(self) -> Tensor:
+        """(N,) int32: length of every document, row-major."""
+        cu = self.cu_seqlens
+        return cu[1:] - cu[:-1]
+
+    @cached_property
+    def num_docs(self) -> Tensor:
+        """(B,) int64: documents in each row."""
+        return self._starts.sum(dim=1)
+
+    @cached_property
+    def max_seqlen(self) -> int:
+        """Length of the longest document (0 if none): ``max_seqlen`` of varlen kernels."""
+        s = self.seqlens
+        return int(s.max()) if s.numel() else 0
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the number of real (non-padding) tokens."""
+        return int(self.indices.numel())
+
+    @property
+    def row_seqlens(self) -> list[list[int]]:
+        """Document lengths per row: the inverse of :meth:`from_seqlens`.
+
+        Example:
+            >>> PackedLayout.from_seqlens([[3, 2], [4]], 6).row_seqlens
+            [[3, 2], [4]]
+        """
+        lens = self.seqlens.tolist()
+        out, k = [], 0
+        for n in self.num_docs.tolist():
+            out.append(lens[k : k + n])
+            k += n
+        return out
+
+    # ------------------------------------------------------------------ utilities
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedLayout:
+        """The same layout on ``device`` (cached views move along)."""
+        moved = PackedLayout(self.doc_ids.to(device, non_blocking=non_blocking))
+        for name, value in self.__dict__.items():
+            if name == "doc_ids":
+                continue
+            if isinstance(value, Tensor):
+                value = value.to(device, non_blocking=non_blocking)
+            moved.__dict__[name] = value
+        return moved
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, PackedLayout):
+            return NotImplemented
+        return self.shape == other.shape and torch.equal(
+            self.doc_ids.cpu(), other.doc_ids.to("cpu")
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        b, s = self.shape
+        return (
+            f"PackedLayout(shape=({b}, {s}), docs={int(self.num_docs.sum())}, "
+            f"tokens={self.num_tokens}, max_seqlen={self.max_seqlen}, device={self.device})"
+        )

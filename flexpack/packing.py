@@ -1,13 +1,381 @@
-"""Packing: assign variable-length samples to rows of max_len (owned by the packing work)."""
+"""Packing: assign variable-length samples to rows of ``max_len`` tokens.
+
+:func:`pack` looks only at lengths and returns a :class:`PackPlan`; the plan then gathers the
+tokens of any rows (:meth:`PackPlan.materialize`) or just their layout (:meth:`PackPlan.layout`).
+
+Strategies:
+
+- ``"bfd"`` best-fit decreasing (default): largest first, each into the open row it fills most.
+  O(n log max_len); on real length distributions within a fraction of a percent of the lower
+  bound ``ceil(tokens / max_len)``.
+- ``"ffd"`` first-fit decreasing: largest first, each into the lowest-numbered row it fits.
+- ``"greedy"`` next-fit in the given order: order-preserving and streaming-friendly.
+- ``"wrap"`` concat-and-chunk for pretraining: samples are cut at row ends, only the last row
+  is padded.
+
+Rows of ``"bfd"`` and ``"ffd"`` come back in a seeded random order: sorted packers otherwise put
+all the tiny samples in the same rows, which shifts the loss from batch to batch. ``"greedy"``
+and ``"wrap"`` keep the input order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from flexpack.layout import PackedLayout
+
+if TYPE_CHECKING:
+    from flexpack.batch import PackedBatch
+
+__all__ = ["OVERFLOWS", "STRATEGIES", "DocsPerRow", "PackPlan", "PackStats", "pack"]
+
+STRATEGIES = ("bfd", "ffd", "greedy", "wrap")
+OVERFLOWS = ("error", "split", "truncate", "drop")
+_NO_LIMIT = np.iinfo(np.int64).max
 
 
+@dataclass(frozen=True)
+class DocsPerRow:
+    """Summary of the number of documents in each row."""
+
+    min: int
+    mean: float
+    max: int
+
+
+@dataclass(frozen=True)
 class PackStats:
-    pass
+    """What a packing did with the tokens it was given.
+
+    ``tokens == placed + truncated + dropped`` always holds. ``lower_bound_rows`` is
+    ``ceil(placed / max_len)``: no packer can use fewer rows for the tokens it places.
+    """
+
+    samples: int
+    tokens: int
+    placed: int
+    truncated: int
+    dropped: int
+    truncated_samples: int
+    dropped_samples: int
+    split_samples: int
+    rows: int
+    max_len: int
+    lower_bound_rows: int
+    docs_per_row: DocsPerRow
+
+    @property
+    def efficiency(self) -> float:
+        """placed / (rows * max_len): the share of the rows that holds tokens (0.0 if no rows)."""
+        return self.placed / (self.rows * self.max_len) if self.rows else 0.0
+
+    @property
+    def over_lower_bound(self) -> float:
+        """rows / lower_bound_rows - 1: 0.0 is optimal."""
+        return self.rows / self.lower_bound_rows - 1.0 if self.lower_bound_rows else 0.0
 
 
+@dataclass(frozen=True, eq=False)
 class PackPlan:
-    pass
+    """Which slice of which sample goes where: the result of :func:`pack`.
+
+    Attributes:
+        segments: (n_segments, 4) int64, read-only; columns (row, sample, start, stop): tokens
+            ``start:stop`` of sample ``sample`` form the next document of row ``row``. Ordered
+            by row, then by position in the row.
+        num_rows: R, the number of rows.
+        max_len: S, tokens per row.
+        lengths: (n_samples,) int64, read-only: the sample lengths the plan was made for.
+        strategy: the strategy that made it.
+        stats: :class:`PackStats`.
+
+    Example:
+        >>> plan = pack([3, 5, 2, 4], max_len=8, seed=None)
+        >>> plan.num_rows, plan.efficiency
+        (2, 0.875)
+        >>> plan.segments.tolist()
+        [[0, 0, 0, 3], [0, 1, 0, 5], [1, 2, 0, 2], [1, 3, 0, 4]]
+    """
+
+    segments: np.ndarray
+    num_rows: int
+    max_len: int
+    lengths: np.ndarray
+    strategy: str
+    stats: PackStats
+
+    @property
+    def efficiency(self) -> float:
+        """Placed tokens / (num_rows * max_len); 0.0 for an empty plan."""
+        return self.stats.efficiency
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (
+            f"PackPlan(strategy={self.strategy!r}, samples={s.samples}, rows={self.num_rows}, "
+            f"max_len={self.max_len}, efficiency={self.efficiency:.4f}, "
+            f"lower_bound_rows={s.lower_bound_rows})"
+        )
+
+    @cached_property
+    def row_offsets(self) -> np.ndarray:
+        """(num_rows + 1,) int64: row r is ``segments[row_offsets[r]:row_offsets[r + 1]]``."""
+        counts = np.bincount(self.segments[:, 0], minlength=self.num_rows)
+        offsets = np.zeros(self.num_rows + 1, dtype=np.int64)
+        np.cumsum(counts, out=offsets[1:])
+        offsets.setflags(write=False)
+        return offsets
+
+    def row_lengths(self) -> np.ndarray:
+        """(num_rows,) int64: tokens in each row."""
+        seg = self.segments
+        return np.bincount(
+            seg[:, 0], weights=seg[:, 3] - seg[:, 2], minlength=self.num_rows
+        ).astype(np.int64)
+
+    def _select(self, rows: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Segments of the chosen rows renumbered 0..k-1 in the order given, and docs per row."""
+        if rows is None:
+            seg = self.segments
+            return seg, np.diff(self.row_offsets)
+        if isinstance(rows, slice):
+            idx = np.arange(self.num_rows)[rows]
+        else:
+            if isinstance(rows, torch.Tensor):
+                rows = rows.cpu().numpy()
+            idx = np.asarray(rows)
+            if idx.ndim == 0:
+                idx = idx[None]
+            if idx.size == 0:
+                idx = idx.astype(np.int64)
+            if idx.dtype.kind not in "iu" or idx.ndim != 1:
+                raise TypeError(
+                    f"rows must be None, a slice or a 1-D sequence of row indices; got {rows!r}"
+                )
+            if idx.size and (idx.min() < 0 or idx.max() >= self.num_rows):
+                raise ValueError(
+                    f"rows must lie in [0, {self.num_rows}); got min {idx.min()}, max {idx.max()}"
+                )
+        idx = idx.astype(np.int64)
+        off = self.row_offsets
+        first, counts = off[idx], off[idx + 1] - off[idx]
+        total = int(counts.sum())
+        take = np.repeat(first - (np.cumsum(counts) - counts), counts) + np.arange(total)
+        seg = self.segments[take].copy()
+        seg[:, 0] = np.repeat(np.arange(idx.size, dtype=np.int64), counts)
+        return seg, counts
+
+    def layout(self, rows: Sequence[int] | slice | None = None) -> PackedLayout:
+        """The :class:`PackedLayout` of the chosen rows (default all), without any tokens.
+
+        Example:
+            >>> pack([3, 5, 2, 4], max_len=8, seed=None).layout([1]).doc_ids
+            tensor([[ 0,  0,  1,  1,  1,  1, -1, -1]], dtype=torch.int32)
+        """
+        seg, num_docs = self._select(rows)
+        return PackedLayout._from_placement(seg[:, 3] - seg[:, 2], num_docs, self.max_len)
+
+    def materialize(
+        self,
+        sequences: Sequence[Any],
+        rows: Sequence[int] | slice | None = None,
+        *,
+        pad_id: int = 0,
+    ) -> PackedBatch:
+        """Gather the tokens of the chosen rows (default all) into a :class:`PackedBatch`.
+
+        Args:
+            sequences: the samples the plan was made for, indexable by sample number: token
+                sequences (lists, numpy arrays, 1-D tensors) or dicts with ``"input_ids"`` and
+                optional ``"labels"`` (e.g. -100 on prompt tokens; kept as given).
+            rows: which rows, in which order (indices, a slice or None for all).
+            pad_id: token id written on padding.
+
+        Raises:
+            ValueError: a sequence's length differs from the one the plan was made for.
+
+        Example:
+            >>> seqs = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
+            >>> batch = pack([len(s) for s in seqs], max_len=8, seed=None).materialize(seqs)
+            >>> batch.input_ids
+            tensor([[ 1,  2,  3,  4,  5,  6,  7,  8],
+                    [ 9, 10, 11, 12, 13, 14,  0,  0]])
+            >>> batch.labels
+            tensor([[-100,    2,    3, -100,    5,    6,    7,    8],
+                    [-100,   10, -100,   12,   13,   14, -100, -100]])
+        """
+        from flexpack.batch import _materialize
+
+        seg, num_docs = self._select(rows)
+        return _materialize(self, seg, num_docs, sequences, pad_id=pad_id)
 
 
-def pack(lengths, max_len, *, strategy="bfd", overflow="error", seed=0, max_docs_per_row=None):
-    raise NotImplementedError
+def _as_lengths(lengths: Any) -> np.ndarray:
+    if isinstance(lengths, torch.Tensor):
+        lengths = lengths.detach().cpu().numpy()
+    try:
+        arr = np.asarray(lengths)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"lengths must be a 1-D array-like of non-negative ints; got {type(lengths).__name__}"
+            f" ({e})"
+        ) from None
+    if arr.size == 0:
+        arr = arr.astype(np.int64).reshape(-1)
+    if arr.ndim != 1:
+        raise ValueError(
+            f"lengths must be 1-D (one length per sample); got shape {arr.shape}. Flatten it."
+        )
+    if arr.dtype.kind not in "iu":
+        raise TypeError(
+            f"lengths must be integers (tokens per sample); got dtype {arr.dtype} "
+            f"(first values {arr[:3].tolist()}). Pass e.g. [len(s) for s in samples]."
+        )
+    arr = arr.astype(np.int64)  # a copy: the plan keeps it read-only
+    if arr.size and arr.min() < 0:
+        bad = int(np.argmax(arr < 0))
+        raise ValueError(
+            f"lengths must be >= 0; got {int(arr[bad])} at index {bad} "
+            f"({int((arr < 0).sum())} negative in all)"
+        )
+    return arr
+
+
+def _check_int(value: Any, name: str, *, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int >= {minimum}; got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}; got {value}")
+    return int(value)
+
+
+def pack(
+    lengths: Sequence[int] | np.ndarray | torch.Tensor,
+    max_len: int,
+    *,
+    strategy: str = "bfd",
+    overflow: str = "error",
+    seed: int | None = 0,
+    max_docs_per_row: int | None = None,
+) -> PackPlan:
+    """Assign samples of the given lengths to rows of ``max_len`` tokens.
+
+    Args:
+        lengths: (n,) non-negative ints, tokens per sample. Empty samples are counted, not placed.
+        max_len: tokens per row, >= 1.
+        strategy: ``"bfd"`` (best-fit decreasing), ``"ffd"`` (first-fit decreasing),
+            ``"greedy"`` (next-fit in order) or ``"wrap"`` (concat-and-chunk).
+        overflow: what to do with samples longer than ``max_len``: ``"error"``, ``"split"``
+            (``max_len`` pieces, each its own document), ``"truncate"`` (keep the first
+            ``max_len`` tokens) or ``"drop"``. ``"wrap"`` cuts samples at row ends by design, so
+            ``"error"`` and ``"split"`` change nothing there; ``"truncate"``/``"drop"`` still apply.
+        seed: shuffles the rows of ``"bfd"``/``"ffd"`` (same lengths and seed, same plan);
+            ``None`` keeps the packer's order. ``"greedy"``/``"wrap"`` always keep input order.
+        max_docs_per_row: a row stops accepting samples once it holds this many documents.
+
+    Returns:
+        A :class:`PackPlan`.
+
+    Raises:
+        TypeError: non-integer lengths or max_len.
+        ValueError: negative lengths, ``max_len < 1``, unknown strategy or overflow, or
+            ``overflow="error"`` with samples longer than ``max_len``.
+
+    Example:
+        >>> plan = pack([3, 5, 2, 4, 7], max_len=8)
+        >>> plan.num_rows, plan.stats.lower_bound_rows, round(plan.efficiency, 3)
+        (3, 3, 0.875)
+        >>> pack([10, 3], max_len=4, overflow="split", strategy="greedy").segments.tolist()
+        [[0, 0, 0, 4], [1, 0, 4, 8], [2, 0, 8, 10], [3, 1, 0, 3]]
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if overflow not in OVERFLOWS:
+        raise ValueError(f"unknown overflow {overflow!r}; choose one of {', '.join(OVERFLOWS)}")
+    max_len = _check_int(max_len, "max_len", minimum=1)
+    max_docs = (
+        _NO_LIMIT
+        if max_docs_per_row is None
+        else _check_int(max_docs_per_row, "max_docs_per_row", minimum=1)
+    )
+    if seed is not None and not isinstance(seed, int | np.integer):
+        raise TypeError(f"seed must be an int or None; got {seed!r}")
+    lengths = _as_lengths(lengths)
+    n = lengths.shape[0]
+    tokens = int(lengths.sum())
+
+    long = lengths > max_len
+    n_long = int(long.sum()) if n else 0
+    if n_long and overflow == "error" and strategy != "wrap":
+        first = int(np.argmax(long))
+        raise ValueError(
+            f"{n_long} of {n} samples are longer than max_len={max_len} (longest "
+            f"{int(lengths.max())} tokens, first at index {first}). Pass overflow='split' "
+            "(cut them into max_len pieces, each its own document), 'truncate' (keep the first "
+            "max_len tokens) or 'drop' (leave them out), or raise max_len."
+        )
+    truncated = int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0
+    dropped = int(lengths[long].sum()) if overflow == "drop" else 0
+
+    from flexpack import _kernels as K
+
+    if strategy == "wrap":
+        if overflow == "truncate":
+            eff = np.minimum(lengths, max_len)
+        elif overflow == "drop":
+            eff = np.where(long, 0, lengths)
+        else:
+            eff = lengths
+        segments, num_rows = K.wrap(eff, max_len, max_docs)
+    else:
+        mode = {"truncate": K.TRUNCATE, "drop": K.DROP}.get(overflow, K.SPLIT)
+        sample, start, stop = K.make_pieces(lengths, max_len, mode)
+        sizes = stop - start
+        packer = {
+            "bfd": K.best_fit_decreasing,
+            "ffd": K.first_fit_decreasing,
+            "greedy": K.next_fit,
+        }[strategy]
+        row_of, num_rows = packer(sizes, max_len, max_docs)
+        num_rows = int(num_rows)
+        if strategy in ("bfd", "ffd") and seed is not None and num_rows > 1:
+            perm = np.random.default_rng(seed).permutation(num_rows)
+            row_of = perm[row_of]
+        segments = K.emit_segments(row_of, num_rows, sample, start, stop)
+
+    num_rows = int(num_rows)
+    placed = tokens - truncated - dropped
+    docs = np.bincount(segments[:, 0], minlength=num_rows) if num_rows else np.zeros(0, np.int64)
+    stats = PackStats(
+        samples=n,
+        tokens=tokens,
+        placed=placed,
+        truncated=truncated,
+        dropped=dropped,
+        truncated_samples=n_long if overflow == "truncate" else 0,
+        dropped_samples=n_long if overflow == "drop" else 0,
+        split_samples=n_long
+        if overflow == "split" or (strategy, overflow) == ("wrap", "error")
+        else 0,
+        rows=num_rows,
+        max_len=max_len,
+        lower_bound_rows=math.ceil(placed / max_len),
+        docs_per_row=DocsPerRow(
+            min=int(docs.min()) if num_rows else 0,
+            mean=float(segments.shape[0] / num_rows) if num_rows else 0.0,
+            max=int(docs.max()) if num_rows else 0,
+        ),
+    )
+    segments.setflags(write=False)
+    lengths.setflags(write=False)
+    return PackPlan(segments, num_rows, max_len, lengths, strategy, stats)
