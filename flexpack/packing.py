@@ -232,14 +232,14 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         ) from None
     if arr.size == 0:
         arr = arr.astype(np.int64).reshape(-1)
-    if arr.ndim != 1:
-        raise ValueError(
-            f"lengths must be 1-D (one length per sample); got shape {arr.shape}. Flatten it."
-        )
     if arr.dtype.kind not in "iu":
         raise TypeError(
             f"lengths must be integers (tokens per sample); got dtype {arr.dtype} "
-            f"(first values {arr[:3].tolist()}). Pass e.g. [len(s) for s in samples]."
+            f"(first values {arr.reshape(-1)[:3].tolist()}). Pass e.g. [len(s) for s in samples]."
+        )
+    if arr.ndim != 1:
+        raise ValueError(
+            f"lengths must be 1-D (one length per sample); got shape {arr.shape}. Flatten it."
         )
     arr = arr.astype(np.int64)  # a copy: the plan keeps it read-only
     if arr.size and arr.min() < 0:

@@ -1,0 +1,139 @@
+"""PackedLayout: constructors, views and their inverses on hand-checked examples."""
+
+import numpy as np
+import pytest
+import torch
+
+from flexpack import PackedLayout
+
+
+def test_from_seqlens_views():
+    layout = PackedLayout.from_seqlens([[3, 2], [4], []], max_len=6)
+    assert layout.shape == (3, 6)
+    assert layout.doc_ids.dtype == torch.int32
+    assert layout.doc_ids.tolist() == [
+        [0, 0, 0, 1, 1, -1],
+        [0, 0, 0, 0, -1, -1],
+        [-1] * 6,
+    ]
+    assert layout.position_ids.tolist() == [
+        [0, 1, 2, 0, 1, 0],
+        [0, 1, 2, 3, 0, 0],
+        [0] * 6,
+    ]
+    assert layout.position_ids.dtype == torch.int64
+    assert layout.seqlens.tolist() == [3, 2, 4]
+    assert layout.seqlens.dtype == torch.int32
+    assert layout.cu_seqlens.tolist() == [0, 3, 5, 9]
+    assert layout.cu_seqlens.dtype == torch.int32
+    assert layout.indices.tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9]
+    assert layout.indices.dtype == torch.int64
+    assert layout.max_seqlen == 4
+    assert layout.num_docs.tolist() == [2, 1, 0]
+    assert layout.num_tokens == 9
+    assert layout.row_seqlens == [[3, 2], [4], []]
+
+
+def test_cached_views_match_computed_views():
+    """from_seqlens pre-fills the caches; a layout built from doc_ids computes them: same values."""
+    fast = PackedLayout.from_seqlens([[1, 4, 1], [2], [6]], max_len=6)
+    slow = PackedLayout(fast.doc_ids.clone())
+    for name in ("position_ids", "seqlens", "cu_seqlens", "indices", "num_docs", "max_seqlen"):
+        a, b = getattr(fast, name), getattr(slow, name)
+        if isinstance(a, torch.Tensor):
+            assert a.dtype == b.dtype, name
+            assert torch.equal(a, b), name
+        else:
+            assert a == b, name
+
+
+def test_from_doc_ids_keeps_values_and_splits_runs():
+    layout = PackedLayout.from_doc_ids([[7, 7, 3, 3, 3, -1], [5, -1, 5, 5, -1, -1]])
+    assert layout.doc_ids.tolist()[0] == [7, 7, 3, 3, 3, -1]
+    assert layout.seqlens.tolist() == [2, 3, 1, 2]  # padding inside row 1 cuts two runs of 5
+    assert layout.position_ids.tolist()[1] == [0, 0, 0, 1, 0, 0]
+    one_row = PackedLayout.from_doc_ids(torch.tensor([0, 0, 1]))
+    assert one_row.shape == (1, 3)
+
+
+def test_from_position_ids():
+    pos = [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+    mask = [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]]
+    layout = PackedLayout.from_position_ids(pos, attention_mask=mask)
+    assert layout.doc_ids.tolist() == [[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 0, 0]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]]
+    # Without a mask every token is real: the trailing 0 is a one-token document.
+    assert PackedLayout.from_position_ids(pos[0]).seqlens.tolist() == [3, 2, 1]
+
+
+def test_from_cu_seqlens_one_row_and_with_indices():
+    assert PackedLayout.from_cu_seqlens(torch.tensor([0, 3, 5])).doc_ids.tolist() == [
+        [0, 0, 0, 1, 1]
+    ]
+    padded = PackedLayout.from_cu_seqlens([0, 3, 5], shape=(1, 7))
+    assert padded.doc_ids.tolist() == [[0, 0, 0, 1, 1, -1, -1]]
+    layout = PackedLayout.from_seqlens([[3, 2], [4], [1]], max_len=6)
+    back = PackedLayout.from_cu_seqlens(layout.cu_seqlens, layout.indices, shape=layout.shape)
+    assert back == layout
+
+
+def test_equality_and_to():
+    a = PackedLayout.from_seqlens([[2, 1]], 4)
+    b = PackedLayout.from_doc_ids([[0, 0, 1, -1]])
+    assert a == b
+    assert a != PackedLayout.from_seqlens([[1, 2]], 4)
+    moved = a.to("cpu")
+    assert moved == a and moved.cu_seqlens.tolist() == [0, 2, 3]
+    assert "PackedLayout(shape=(1, 4)" in repr(a)
+
+
+def test_empty_layouts():
+    empty = PackedLayout.from_seqlens([], max_len=8)
+    assert empty.shape == (0, 8)
+    assert empty.cu_seqlens.tolist() == [0]
+    assert empty.max_seqlen == 0
+    assert PackedLayout(torch.full((2, 3), -1)).cu_seqlens.tolist() == [0]
+
+
+def test_accepts_numpy_and_other_int_dtypes():
+    layout = PackedLayout.from_doc_ids(np.array([[0, 0, 1]], dtype=np.int64))
+    assert layout.doc_ids.dtype == torch.int32
+    assert PackedLayout.from_seqlens([np.array([2, 1])], 3).seqlens.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "match"),
+    [
+        (lambda: PackedLayout.from_seqlens([[3, 4]], max_len=6), ValueError, "holds 7 tokens"),
+        (lambda: PackedLayout.from_seqlens([[0, 2]], max_len=6), ValueError, ">= 1"),
+        (lambda: PackedLayout.from_seqlens([[1.5]], max_len=6), TypeError, "integers"),
+        (lambda: PackedLayout.from_seqlens(5, max_len=6), TypeError, "per-row"),
+        (
+            lambda: PackedLayout.from_doc_ids(torch.zeros(2, 2, 2, dtype=torch.int64)),
+            ValueError,
+            "2-D",
+        ),
+        (lambda: PackedLayout.from_doc_ids([[0.0, 1.0]]), TypeError, "integers"),
+        (lambda: PackedLayout.from_cu_seqlens([1, 3]), ValueError, "starting at 0"),
+        (lambda: PackedLayout.from_cu_seqlens([0, 3, 2]), ValueError, "non-decreasing"),
+        (lambda: PackedLayout.from_cu_seqlens([0, 3], [0, 1, 2]), ValueError, "shape"),
+        (
+            lambda: PackedLayout.from_cu_seqlens([0, 3], [1, 2, 3], shape=(2, 2)),
+            ValueError,
+            "straddles",
+        ),
+        (
+            lambda: PackedLayout.from_cu_seqlens([0, 3], [0, 1], shape=(1, 4)),
+            ValueError,
+            "indices must be",
+        ),
+        (
+            lambda: PackedLayout.from_position_ids([[0, 1]], attention_mask=[[1]]),
+            ValueError,
+            "must match",
+        ),
+    ],
+)
+def test_bad_input_errors(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
