@@ -1,0 +1,200 @@
+"""The Mask layer: names, kinds, element semantics against dense twins, shortcuts, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention.flex_attention import and_masks, create_block_mask, or_masks
+
+import flexpack
+from flexpack import masks
+
+D = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 1, 1, 1, 1, 1, 1, -1]], dtype=torch.int32)
+
+
+def _dense(mod, B: int, S: int) -> torch.Tensor:
+    i = torch.arange(S)
+    b = torch.arange(B)[:, None, None]
+    out = mod(b, torch.zeros((), dtype=torch.long), i[None, :, None], i[None, None, :])
+    return out.expand(B, S, S)
+
+
+def _twin_document(d: torch.Tensor) -> torch.Tensor:
+    """(B, S, S) dense document mask written without flexpack."""
+    return (d[:, :, None] == d[:, None, :]) & (d[:, :, None] >= 0)
+
+
+# ----------------------------------------------------------------------------- semantics
+
+
+def test_factories_match_dense_twins() -> None:
+    B, S = D.shape
+    q = torch.arange(S)[:, None]
+    kv = torch.arange(S)[None, :]
+    doc = _twin_document(D)
+    real = D >= 0
+    assert torch.equal(_dense(masks.document(D).mask_mod, B, S), doc)
+    assert torch.equal(_dense(masks.causal().mask_mod, B, S), (q >= kv).expand(B, S, S))
+    assert torch.equal(
+        _dense(masks.sliding_window(2).mask_mod, B, S), (q - kv <= 2).expand(B, S, S)
+    )
+    assert torch.equal(_dense(masks.padding(D).mask_mod, B, S), real[:, :, None] & real[:, None, :])
+    assert torch.equal(_dense((masks.document(D) & masks.causal()).mask_mod, B, S), doc & (q >= kv))
+    pl = torch.tensor([[2, 1, 0], [1, 3, 0]])
+    # Hand-written prefix twin: token position in its document < its prefix length.
+    in_prefix = torch.tensor([[1, 1, 0, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    expected = doc & ((kv <= q) | in_prefix[:, None, :])
+    assert torch.equal(_dense(masks.prefix_lm(D, pl).mask_mod, B, S), expected)
+
+
+def test_one_dimensional_doc_ids_give_batch_one() -> None:
+    d = torch.tensor([0, 0, 1, 1, -1])
+    m = masks.document(d)
+    assert m.doc_ids.shape == (1, 5)
+    assert m.block_mask(block_size=2).shape == (1, 1, 5, 5)
+    assert flexpack.document_causal_mask(d, block_size=2).shape == (1, 1, 5, 5)
+    assert flexpack.document_mask(D).shape == (2, 1, 8, 8)
+
+
+def test_mask_mod_is_safe_past_the_sequence_end() -> None:
+    # flex_attention evaluates the tail of the last block past S; that must read as padding.
+    for m in (
+        masks.document(D),
+        masks.padding(D),
+        masks.prefix_lm(D, torch.tensor([[3, 2, 1], [1, 2, 0]])),
+    ):
+        out = m.mask_mod(torch.tensor(1), torch.tensor(0), torch.tensor(200), torch.tensor(130))
+        assert out.item() is False
+        out = m.mask_mod(torch.tensor(0), torch.tensor(0), torch.tensor(0), torch.tensor(8))
+        assert out.item() is False
+
+
+def test_names_and_kinds() -> None:
+    d = masks.document(D)
+    assert (d & masks.causal()).kind == "document_causal"
+    assert (masks.causal() & d).kind == "document_causal"
+    assert (masks.causal() & d).mask_mod.__name__ == "document_causal"
+    m = d & masks.sliding_window(256)
+    assert m.kind == "and" and m.mask_mod.__name__ == "and(document, sliding_window_256)"
+    m = d & masks.sliding_window(4) & masks.causal()
+    assert m.mask_mod.__name__ == "and(document_causal, sliding_window_4)"
+    assert (~masks.padding(D)).mask_mod.__name__ == "not(padding)"
+    assert (masks.causal() | d).kind == "or"
+    assert masks.sliding_window(5).window == 5 and masks.sliding_window(5).doc_ids is None
+    assert masks.causal().doc_ids is None
+    assert torch.equal(m.doc_ids, D)
+    assert masks.prefix_lm(D, torch.tensor([[3, 2, 1], [1, 2, 0]])).kind == "prefix_lm"
+
+
+def test_mask_mod_works_with_torch_combinators() -> None:
+    d = masks.document(D).mask_mod
+    combined = and_masks(d, masks.causal().mask_mod)
+    ref = (masks.document(D) & masks.causal()).block_mask(block_size=2)
+    got = create_block_mask(combined, 2, 1, 8, 8, device="cpu", BLOCK_SIZE=2)
+    assert torch.equal(got.kv_num_blocks, ref.kv_num_blocks)
+    assert torch.equal(got.full_kv_num_blocks, ref.full_kv_num_blocks)
+    create_block_mask(or_masks(d, masks.padding(D).mask_mod), 2, 1, 8, 8, device="cpu")
+
+
+def test_mask_of_round_trip() -> None:
+    m = masks.document(D) & masks.causal()
+    assert masks.mask_of(m.block_mask(block_size=4)) is m
+    assert masks.mask_of(flexpack.document_causal_mask(D)).kind == "document_causal"
+    foreign = create_block_mask(lambda b, h, q, kv: q >= kv, 1, 1, 8, 8, device="cpu")
+    assert masks.mask_of(foreign) is None
+
+
+def test_shortcuts_live_on_doc_ids_device_and_dtype_free() -> None:
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+        bm = flexpack.document_mask(D.to(dtype), block_size=4)
+        assert bm.kv_indices.device == D.device
+    bm = flexpack.prefix_lm_mask(torch.tensor([0, 0, 1]), torch.tensor([1, 1]), block_size=2)
+    assert bm.shape == (1, 1, 3, 3)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("bad", "exc", "words"),
+    [
+        (torch.zeros(4), TypeError, "float32"),
+        (torch.zeros(4, dtype=torch.bool), TypeError, "bool"),
+        ([0, 0, 1], TypeError, "torch.Tensor"),
+        (torch.zeros(2, 3, 4, dtype=torch.int32), ValueError, "3 dimensions"),
+        (torch.tensor(3), ValueError, "0 dimensions"),
+        (torch.zeros(0, dtype=torch.int32), ValueError, "empty"),
+        (torch.zeros(2, 0, dtype=torch.int32), ValueError, "empty"),
+    ],
+)
+def test_bad_doc_ids(bad, exc, words) -> None:
+    for factory in (masks.document, masks.padding, flexpack.document_mask):
+        with pytest.raises(exc, match=words):
+            factory(bad)
+    with pytest.raises(exc, match=words):
+        flexpack.document_causal_mask(bad)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "exc"),
+    [(0, ValueError), (-128, ValueError), (1.5, TypeError), (True, TypeError)],
+)
+def test_bad_block_size(block_size, exc) -> None:
+    with pytest.raises(exc, match="block_size"):
+        flexpack.document_mask(D, block_size=block_size)
+
+
+def test_bad_window() -> None:
+    with pytest.raises(ValueError, match="window"):
+        masks.sliding_window(-1)
+    with pytest.raises(TypeError, match="window"):
+        masks.sliding_window(2.0)
+
+
+def test_bad_prefix_lengths() -> None:
+    d = torch.tensor([0, 0, 0, 1, 1])
+    with pytest.raises(ValueError, match=r"shape \(2,\)"):
+        masks.prefix_lm(d, torch.tensor([1, 1, 1]))
+    with pytest.raises(ValueError, match="shape"):
+        masks.prefix_lm(D, torch.tensor([1, 1, 1]))  # (B, S) doc ids need (B, max_docs)
+    with pytest.raises(ValueError, match="has 2 tokens"):
+        masks.prefix_lm(d, torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match=r"0\.\.len"):
+        masks.prefix_lm(d, torch.tensor([-1, 0]))
+    with pytest.raises(ValueError, match="absent"):
+        masks.prefix_lm(D, torch.tensor([[1, 1, 1, 0], [1, 1, 0, 1]]))
+    with pytest.raises(TypeError, match="integer"):
+        masks.prefix_lm(d, torch.tensor([1.0, 1.0]))
+    with pytest.raises(TypeError, match=r"torch\.Tensor"):
+        masks.prefix_lm(d, [1, 1])
+
+
+@pytest.mark.parametrize(
+    "row", [[1, 1, 0, 0], [0, 0, 2, 2], [0, 1, 0, 1], [0, -1, 0, 1], [5, 5, 5, 5]]
+)
+def test_prefix_lm_rejects_unordered_doc_ids(row) -> None:
+    with pytest.raises(ValueError, match=r"0\.\.n-1 in order"):
+        flexpack.prefix_lm_mask(torch.tensor(row), torch.tensor([1, 1, 1, 1, 1, 1][: max(row) + 1]))
+
+
+def test_mismatched_devices_and_layouts() -> None:
+    meta = torch.zeros(5, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match="meta"):
+        masks.prefix_lm(torch.tensor([0, 0, 1, 1, 1]), torch.tensor([1, 1], device="meta"))
+    with pytest.raises(ValueError, match="same"):
+        masks.document(torch.zeros(5, dtype=torch.int32)) & masks.padding(meta)
+    with pytest.raises(ValueError, match="same"):
+        masks.document(torch.zeros(5, dtype=torch.int32)) | masks.padding(D)
+    with pytest.raises(ValueError, match="device"):
+        masks.document(D).block_mask(device="meta")
+
+
+def test_bad_block_mask_arguments() -> None:
+    with pytest.raises(ValueError, match="Q_LEN"):
+        masks.causal().block_mask()
+    with pytest.raises(ValueError, match="Q_LEN=9"):
+        masks.document(D).block_mask(Q_LEN=9)
+    with pytest.raises(ValueError, match="B=3"):
+        masks.document(D).block_mask(B=3)
+    with pytest.raises(TypeError):
+        masks.document(D) & flexpack.document_mask(D)
