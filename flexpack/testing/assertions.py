@@ -107,8 +107,10 @@ def _fmt_problems(title: str, problems: list[str]) -> list[str]:
 def _element_picture(exp: Tensor, got: Tensor, q0: int, kv0: int, bq: int, bkv: int) -> list[str]:
     """ASCII picture of one (Q, KV) slice around (q0, kv0), with block boundaries marked."""
     Q, KV = exp.shape
-    qs = range(max(0, q0 - _WINDOW), min(Q, q0 + _WINDOW))
-    ks = range(max(0, kv0 - _WINDOW), min(KV, kv0 + _WINDOW))
+    q_start = max(0, min(q0 - _WINDOW, Q - 2 * _WINDOW))
+    kv_start = max(0, min(kv0 - _WINDOW, KV - 2 * _WINDOW))
+    qs = range(q_start, min(Q, q_start + 2 * _WINDOW))
+    ks = range(kv_start, min(KV, kv_start + 2 * _WINDOW))
     e, g = exp[qs.start : qs.stop, ks.start : ks.stop], got[qs.start : qs.stop, ks.start : ks.stop]
     lines = [
         f"  picture of q {qs.start}..{qs.stop - 1} (rows) x kv {ks.start}..{ks.stop - 1} "
