@@ -1,0 +1,22 @@
+"""From a dataset to packed batches on every rank.
+
+- ``PackedDataset``: map-style; plans once from the lengths, builds rows lazily.
+- ``DistributedPackedSampler`` / ``PackedDataset.shard`` / ``shard_rows``: equal row counts per
+  rank, every row once per epoch (remainder chosen by the user), tokens balanced per step.
+- ``PackedIterableDataset``: streaming with a bounded buffer and exact mid-epoch resume.
+- ``collate``: rows -> ``PackedBatch`` (DataLoader ``collate_fn``).
+
+Hugging Face datasets and Ray live in ``flexpack.integrations.datasets`` / ``.ray``.
+"""
+
+from flexpack.data.collate import collate
+from flexpack.data.dataset import DistributedPackedSampler, PackedDataset, shard_rows
+from flexpack.data.streaming import PackedIterableDataset
+
+__all__ = [
+    "DistributedPackedSampler",
+    "PackedDataset",
+    "PackedIterableDataset",
+    "collate",
+    "shard_rows",
+]

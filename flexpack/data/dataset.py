@@ -1,0 +1,317 @@
+"""Map-style packed dataset and the rank sharding that keeps data-parallel ranks in step."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from flexpack.data._common import as_source, check_choice, check_positive_int
+
+_REMAINDERS = ("drop", "pad", "error")
+
+
+def shard_rows(
+    num_tokens: Any,
+    world_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int = 0,
+    remainder: str = "drop",
+) -> np.ndarray:
+    """Deal rows to ``world_size`` ranks: equal counts, balanced real tokens per step.
+
+    Rows are sorted by real-token count and cut into groups of ``world_size`` neighbours; each
+    group is dealt out one row per rank (snake order, or a seeded random order when ``shuffle``),
+    and with ``shuffle`` the order of the groups is a seeded permutation of ``(seed, epoch)``.
+    Column ``j`` of the result is one group, so the rows that ranks process at the same step
+    differ only by the spread inside a group of similar rows.
+
+    The remainder (``len(num_tokens) % world_size`` rows) is handled by ``remainder``:
+    ``"drop"`` leaves those rows out of this epoch (chosen at random per epoch when ``shuffle``,
+    else the rows last in sorted order, i.e. the emptiest); ``"pad"`` repeats rows (random ones
+    when ``shuffle``, else the fullest) so that every row is seen and a few twice; ``"error"``
+    raises unless the rows divide evenly.
+
+    Args:
+        num_tokens: (R,) int, real (non-padding) tokens per row.
+        world_size: number of data-parallel ranks.
+
+    Returns:
+        (world_size, R // world_size or ceil(R / world_size)) int64 row indices; row ``r`` of it
+        lists rank ``r``'s rows in order.
+
+    Raises:
+        ValueError: world_size < 1, an unknown remainder, remainder="error" with rows that do not
+            divide, or fewer rows than ranks with remainder="drop".
+
+    Example:
+        >>> shard_rows([10, 50, 30, 40, 20], 2, remainder="drop")  # 50+20 and 40+30 tokens
+        array([[1, 4],
+               [3, 2]])
+    """
+    world_size = check_positive_int("world_size", world_size)
+    check_choice("remainder", remainder, _REMAINDERS)
+    tokens = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+    n = len(tokens)
+    rng = np.random.default_rng([int(seed), int(epoch)])
+    order = rng.permutation(n) if shuffle else np.arange(n)
+    k = n % world_size
+    if k:
+        if remainder == "error":
+            raise ValueError(
+                f"{n} rows do not divide among world_size={world_size} ranks ({k} left over); "
+                'pass remainder="drop" (skip them this epoch) or remainder="pad" (repeat rows).'
+            )
+        if remainder == "drop":
+            if n < world_size:
+                raise ValueError(
+                    f"{n} rows for world_size={world_size} ranks: remainder='drop' would leave "
+                    "every rank empty; pass remainder='pad' or pack fewer, fuller rows."
+                )
+            if not shuffle:  # drop the emptiest rows
+                order = order[np.argsort(-tokens[order], kind="stable")]
+            order = order[: n - k]
+        else:  # pad
+            if n == 0:
+                raise ValueError("no rows to shard; the dataset is empty.")
+            order = np.concatenate([order, np.resize(order, world_size - k)])
+    keyed = order[np.argsort(-tokens[order], kind="stable")]
+    groups = keyed.reshape(-1, world_size)  # (G, W): each row one group of similar rows
+    if shuffle:
+        groups = groups[rng.permutation(len(groups))]
+        groups = rng.permuted(groups, axis=1)
+    else:
+        groups = groups.copy()
+        groups[1::2] = groups[1::2, ::-1]  # snake: no rank always gets the fullest row
+    return np.ascontiguousarray(groups.T, dtype=np.int64)
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Map-style dataset of packed rows: plans once from the lengths, builds rows on access.
+
+    ``samples`` is any indexable of token sequences: a list of lists, a numpy object array (or a
+    2-D integer array), a Hugging Face ``datasets.Dataset`` (tokens in ``column``, default
+    ``"input_ids"``), a pyarrow ``Table`` (with ``column``) or ``list<int>`` Array/ChunkedArray.
+    Lengths are read once (Arrow list offsets for tables, no per-row Python); ``flexpack.pack``
+    plans all rows; ``ds[i]`` fetches only the samples of row ``i`` and returns a one-row
+    ``PackedBatch``: ``input_ids`` (1, max_len) int64, ``labels`` (1, max_len) int64 (-100 on
+    padding and on each document's first token), ``layout.doc_ids`` (1, max_len) int32.
+    Batch rows with ``flexpack.data.collate`` (pass it as the DataLoader's ``collate_fn``).
+
+    Args:
+        samples: the token sequences (see above); N samples.
+        max_len: row length S.
+        column: token column for a ``datasets.Dataset`` or ``pyarrow.Table``.
+        strategy, overflow, seed, max_docs_per_row: passed to ``flexpack.pack``.
+        pad_id: token id written on padding.
+
+    Raises:
+        TypeError: samples that are not token sequences (text, scalars, dicts without column=).
+        ValueError: a missing column, max_len <= 0, or what ``flexpack.pack`` rejects.
+
+    Example:
+        >>> ds = PackedDataset([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_len=5)
+        >>> len(ds), ds[0].input_ids.shape
+        (2, torch.Size([1, 5]))
+    """
+
+    def __init__(
+        self,
+        samples: Any,
+        max_len: int,
+        *,
+        column: str | None = None,
+        strategy: str = "bfd",
+        overflow: str = "error",
+        seed: int = 0,
+        pad_id: int = 0,
+        max_docs_per_row: int | None = None,
+    ) -> None:
+        from flexpack.packing import pack
+
+        self.max_len = check_positive_int("max_len", max_len)
+        self.pad_id = int(pad_id)
+        self._source = as_source(samples, column)
+        self.lengths = self._source.lengths()
+        self.plan = pack(
+            self.lengths,
+            self.max_len,
+            strategy=strategy,
+            overflow=overflow,
+            seed=seed,
+            max_docs_per_row=max_docs_per_row,
+        )
+        segments = self.plan.segments  # (n, 4) row, sample, start, stop; ordered by row
+        self._row_tokens = np.asarray(self.plan.row_lengths(), dtype=np.int64)
+        self._row_ptr = self.plan.row_offsets
+        self._segments = segments
+        self._rows = np.arange(self.plan.num_rows, dtype=np.int64)  # this view's rows of the plan
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def rows(self) -> np.ndarray:
+        """(len(self),) int64: the plan rows this dataset (or shard) serves, in order."""
+        return self._rows
+
+    @property
+    def num_tokens(self) -> np.ndarray:
+        """(len(self),) int64: real (non-padding) tokens of each row."""
+        return self._row_tokens[self._rows]
+
+    def segments_of(self, index: int) -> np.ndarray:
+        """(k, 4) int64 ``(row, sample, start, stop)`` segments of row ``index`` in order."""
+        row = self._rows[index]
+        return self._segments[self._row_ptr[row] : self._row_ptr[row + 1]]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        """Rows ``indices`` as one-row PackedBatches, reading all their samples in one take.
+
+        The DataLoader calls this for a whole batch of indices at once.
+        """
+        rows = []
+        for index in indices:
+            if not -len(self) <= index < len(self):
+                raise IndexError(f"row index {index} out of range for {len(self)} rows")
+            rows.append(int(self._rows[index]))
+        need = np.unique(
+            np.concatenate(
+                [self._segments[self._row_ptr[r] : self._row_ptr[r + 1], 1] for r in rows]
+                or [np.zeros(0, np.int64)]
+            )
+        )
+        tokens = dict(zip(need.tolist(), self._source.take(need), strict=True))
+        fetched = _Fetched(len(self.lengths), tokens)
+        return [self.plan.materialize(fetched, [r], pad_id=self.pad_id) for r in rows]
+
+    def shard(self, rank: int, world_size: int, *, remainder: str = "drop") -> PackedDataset:
+        """This rank's share of the rows: equal counts per rank, balanced tokens per step.
+
+        A static split (same every epoch) by ``shard_rows``; for per-epoch shuffling that keeps
+        the balance use ``DistributedPackedSampler``. ``remainder`` says what happens to the
+        ``len(self) % world_size`` left-over rows: ``"drop"`` (skipped: the emptiest rows),
+        ``"pad"`` (some rows repeated on the short ranks) or ``"error"``.
+
+        Returns:
+            a PackedDataset view of ``len(self) // world_size`` rows (``ceil`` with "pad").
+
+        Raises:
+            ValueError: rank not in [0, world_size), or see ``shard_rows``.
+
+        Example:
+            >>> ds = PackedDataset([[1] * 3, [2] * 2, [3] * 4, [4] * 1, [5] * 5], max_len=5)
+            >>> [len(ds.shard(r, 2)) for r in range(2)]
+            [1, 1]
+        """
+        rank = _check_rank(rank, world_size)
+        out = copy.copy(self)
+        out._rows = self._rows[shard_rows(self.num_tokens, world_size, remainder=remainder)[rank]]
+        return out
+
+
+class _Fetched:
+    """The few samples a row needs, indexable by sample number like the full dataset."""
+
+    def __init__(self, n: int, tokens: dict[int, np.ndarray]) -> None:
+        self.n, self.tokens = n, tokens
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.tokens[int(i)]
+
+
+def _check_rank(rank: Any, world_size: Any) -> int:
+    world_size = check_positive_int("world_size", world_size)
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
+        raise TypeError(f"rank must be an int, got {type(rank).__name__}")
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank={rank} is not in [0, world_size={world_size}); pass the process's rank, "
+            "e.g. torch.distributed.get_rank()."
+        )
+    return int(rank)
+
+
+def _dist_default(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if world_size is None:
+        dist = torch.distributed
+        world_size = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if rank is None:
+        dist = torch.distributed
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return _check_rank(rank, world_size), int(world_size)
+
+
+class DistributedPackedSampler(torch.utils.data.Sampler[int]):
+    """Per-rank row sampler for packed rows: same length on every rank, tokens balanced per step.
+
+    Every epoch, ``shard_rows(dataset.num_tokens, num_replicas, shuffle=shuffle, seed=seed,
+    epoch=epoch, remainder=remainder)`` deals the rows out; this rank iterates its share. With
+    ``remainder="pad"`` every row is seen each epoch (a few twice); with ``"drop"`` the left-over
+    rows (fewer than ``num_replicas``) skip the epoch (different ones each epoch when shuffled);
+    ``"error"`` refuses a row count that does not divide. Call ``set_epoch(e)`` before each epoch.
+    With a DataLoader ``batch_size=b``, global step ``t`` is groups ``t*b .. t*b+b-1``: each rank
+    holds one row from each group of similar rows, so real tokens are balanced across ranks.
+
+    Args:
+        dataset: anything with ``num_tokens`` (R,) int (a ``PackedDataset``), or that array itself.
+        num_replicas, rank: default to ``torch.distributed`` (1 and 0 when not initialized).
+
+    Example:
+        >>> ds = PackedDataset([[1] * 3, [2] * 2, [3] * 4, [4] * 1, [5] * 5], max_len=5)
+        >>> sampler = DistributedPackedSampler(ds, num_replicas=2, rank=0, remainder="pad")
+        >>> sampler.set_epoch(1)
+        >>> len(sampler), len(list(sampler))
+        (2, 2)
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        remainder: str = "drop",
+    ) -> None:
+        tokens = getattr(dataset, "num_tokens", dataset)
+        self.num_tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.rank, self.num_replicas = _dist_default(rank, num_replicas)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.remainder = check_choice("remainder", remainder, _REMAINDERS)
+        self.epoch = 0
+        self._shard()  # fail early on a bad remainder / too few rows
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's permutation (same on every rank for the same epoch)."""
+        self.epoch = int(epoch)
+
+    def _shard(self) -> np.ndarray:
+        return shard_rows(
+            self.num_tokens,
+            self.num_replicas,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=self.epoch,
+            remainder=self.remainder,
+        )[self.rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._shard().tolist())
+
+    def __len__(self) -> int:
+        n, w = len(self.num_tokens), self.num_replicas
+        return n // w if self.remainder != "pad" else -(-n // w)
