@@ -1,0 +1,75 @@
+"""flexpack.integrations.datasets.pack_dataset: global plan, Arrow streaming, disk round trip."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+datasets = pytest.importorskip("datasets")
+
+from flexpack import pack  # noqa: E402
+from flexpack.data import collate  # noqa: E402
+from flexpack.integrations.datasets import pack_dataset  # noqa: E402
+
+
+def make_samples(n: int, max_len: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(1, max_len + 1, size=n)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    return [list(range(int(s), int(s + k))) for s, k in zip(starts, lengths, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return make_samples(300, 48, seed=1)
+
+
+def test_rows_equal_the_global_plan(samples):
+    ds = datasets.Dataset.from_dict({"input_ids": samples, "text": ["t"] * len(samples)})
+    packed = pack_dataset(ds, 48, batch_size=64)
+    ref = pack([len(s) for s in samples], 48).materialize(samples)
+    got = packed.with_format("torch")[:]
+    assert set(packed.column_names) == {"input_ids", "labels", "doc_ids", "position_ids"}
+    assert torch.equal(got["input_ids"], ref.input_ids)
+    assert torch.equal(got["labels"], ref.labels)
+    assert torch.equal(got["doc_ids"], ref.doc_ids)
+    assert torch.equal(got["position_ids"], ref.position_ids)
+    assert packed.features["doc_ids"].feature.dtype == "int32"  # torch format widens to int64
+    assert packed.features["input_ids"].feature.dtype == "int64"
+    batch = collate([packed.with_format("torch")[i] for i in range(3)])
+    assert torch.equal(batch.input_ids, ref.input_ids[:3])
+
+
+def test_save_load_round_trip_disk_backed_and_num_proc(samples, tmp_path):
+    src = datasets.Dataset.from_dict({"input_ids": samples})
+    src.save_to_disk(tmp_path / "src")
+    src = datasets.load_from_disk(tmp_path / "src").select(range(len(samples) - 1, -1, -1))
+    packed = pack_dataset(src, 48, num_proc=2, batch_size=32)
+    assert packed.cache_files  # written to Arrow files, not held in memory
+    packed.save_to_disk(tmp_path / "packed")
+    again = datasets.load_from_disk(tmp_path / "packed")
+    assert again.features == packed.features
+    assert again[:] == packed[:]
+    ref = pack([len(s) for s in samples[::-1]], 48).materialize(samples[::-1])
+    assert torch.equal(again.with_format("torch")[:]["input_ids"], ref.input_ids)
+
+
+def test_no_more_rows_than_chunked_packing():
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(300), 1.0, size=3000), 1, 4096).astype(int)
+    plan = pack(lengths, 4096)
+    chunked = sum(pack(lengths[i : i + 1000], 4096).num_rows for i in range(0, 3000, 1000))
+    assert plan.num_rows <= chunked
+
+
+def test_bad_input():
+    ds = datasets.Dataset.from_dict({"tokens": [[1, 2]], "text": ["hi"]})
+    with pytest.raises(ValueError, match="column 'input_ids' is not in the dataset"):
+        pack_dataset(ds, 8)
+    with pytest.raises(TypeError, match="expected list<int>"):
+        pack_dataset(ds, 8, column="text")
+    with pytest.raises(TypeError, match=r"expected a datasets\.Dataset"):
+        pack_dataset([[1, 2]], 8)
+    with pytest.raises(ValueError, match="max_len"):
+        pack_dataset(ds, 0, column="tokens")
