@@ -1,0 +1,183 @@
+"""transformers integration: a randomly initialised Llama on flexpack rows equals it per document.
+
+The model is built from a small config (no download) with ``attn_implementation="flexpack"``; the
+reference is the same weights under transformers' own ``sdpa`` implementation, one document at a
+time, unpadded.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import flexpack
+
+transformers = pytest.importorskip("transformers")
+
+from flexpack.integrations.transformers import (  # noqa: E402
+    flexpack_attention_forward,
+    packed_forward_kwargs,
+    register,
+)
+
+MAX_LEN = 64
+ATOL = 1e-5
+
+
+def _landed() -> bool:  # TEMPORARY until flexpack.attention lands: then removed
+    try:
+        d = torch.zeros(1, 4, dtype=torch.int32)
+        flexpack.attention(*[torch.zeros(1, 1, 4, 2)] * 3, flexpack.document_causal_mask(d))
+    except NotImplementedError:
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _landed(), reason="flexpack.attention not landed yet")
+
+
+def llama(seed: int = 0, **overrides):
+    name = register()
+    config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+        initializer_range=0.2,  # large enough that a leak between documents shows
+        attn_implementation=name,
+        **overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    return model, reference
+
+
+def samples(seed: int, n: int = 10) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, MAX_LEN + 1, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (length,), generator=g) for length in lengths]
+
+
+def documents(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, stop) of every document, from (B, S) doc ids (-1 = padding)."""
+    out = []
+    for row, ids in enumerate(doc_ids.tolist()):
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[start]:
+                if ids[start] >= 0:
+                    out.append((row, start, i))
+                start = i
+    return out
+
+
+def alone(reference, tokens: torch.Tensor) -> torch.Tensor:
+    return reference(input_ids=tokens[None], use_cache=False).logits[0]  # (L, V)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_llama_on_packed_rows_matches_each_document_alone(seed):
+    model, reference = llama(seed)
+    batch = flexpack.pack_sequences(samples(seed), MAX_LEN)
+    docs = documents(batch.doc_ids)
+    assert len(docs) > batch.input_ids.shape[0], "test needs rows holding several documents"
+    with torch.no_grad():
+        packed = model(**packed_forward_kwargs(batch)).logits  # (R, S, V)
+        for r, a, b in docs:
+            want = alone(reference, batch.input_ids[r, a:b])
+            torch.testing.assert_close(packed[r, a:b], want, atol=ATOL, rtol=0)
+        # Negative control: the same rows through plain causal attention (no document ids,
+        # positions 0..S-1) leak between documents.
+        leaky = model(input_ids=batch.input_ids, use_cache=False).logits
+    gap = max(
+        (leaky[r, a:b] - alone(reference, batch.input_ids[r, a:b])).abs().max() for r, a, b in docs
+    )
+    assert gap > 1000 * ATOL
+
+
+def test_hf_loss_and_gradients_match_unpacked():
+    model, reference = llama(2)
+    model.train()
+    reference.train()
+    batch = flexpack.pack_sequences(samples(2), MAX_LEN)
+    docs = documents(batch.doc_ids)
+    loss = model(**packed_forward_kwargs(batch, labels=True)).loss  # mean over supervised tokens
+    total, count = 0.0, 0
+    for r, a, b in docs:
+        tokens = batch.input_ids[r, a:b][None]
+        out = reference(input_ids=tokens, labels=tokens, use_cache=False)
+        total = total + out.loss * (b - a - 1) if b - a > 1 else total
+        count += b - a - 1
+    want = total / count
+    torch.testing.assert_close(loss, want, atol=ATOL, rtol=0)
+    loss.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=ATOL, rtol=1e-4, msg=f"grad of {name}")
+
+
+def test_data_collator_with_flattening_batches_work():
+    """Without doc_ids, documents come from position_ids (transformers' packed-sequence rule)."""
+    model, reference = llama(3)
+    seqs = samples(3, n=5)
+    collate = transformers.DataCollatorWithFlattening(return_tensors="pt")
+    features = collate([{"input_ids": s.tolist()} for s in seqs])  # one (1, T) row
+    with torch.no_grad():
+        packed = model(
+            input_ids=features["input_ids"],
+            position_ids=features["position_ids"],
+            use_cache=False,
+        ).logits[0]
+        start = 0
+        for s in seqs:
+            want = alone(reference, s)
+            torch.testing.assert_close(packed[start : start + len(s)], want, atol=ATOL, rtol=0)
+            start += len(s)
+
+
+def test_left_padded_batch_with_attention_mask():
+    model, reference = llama(4)
+    seqs = samples(4, n=3)
+    S = max(len(s) for s in seqs)
+    input_ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    attention_mask = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        input_ids[i, S - len(s) :] = s
+        attention_mask[i, S - len(s) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+        for i, s in enumerate(seqs):
+            torch.testing.assert_close(out[i, S - len(s) :], alone(reference, s), atol=ATOL, rtol=0)
+
+
+def test_clear_errors():
+    model, _ = llama(5)
+    q = torch.randn(1, 4, 1, 16)
+    k = v = torch.randn(1, 2, 5, 16)
+    attn = model.model.layers[0].self_attn
+    with pytest.raises(ValueError, match="KV cache"):
+        flexpack_attention_forward(attn, q, k, v, None)
+    q = torch.randn(1, 4, 5, 16)
+    with pytest.raises(ValueError, match="doc_ids must be"):
+        flexpack_attention_forward(
+            attn, q, k, v, None, doc_ids=torch.zeros(1, 4, dtype=torch.int32)
+        )
+    with pytest.raises(ValueError, match="softcap"):
+        flexpack_attention_forward(attn, q, k, v, None, softcap=30.0)
+    with pytest.raises(TypeError, match="PackedBatch"):
+        packed_forward_kwargs({"input_ids": q})
+    assert register() == "flexpack"
+    assert "flexpack" in transformers.AttentionInterface._global_mapping
