@@ -129,28 +129,48 @@ def _tree_first_at_least(tree, size, s):
 
 
 @njit(cache=True, nogil=True)
+def _sorted_desc(sizes, max_len):
+    order = order_by_size_desc(sizes, max_len)
+    n = sizes.shape[0]
+    sorted_sizes = np.empty(n, np.int64)
+    for k in range(n):
+        sorted_sizes[k] = sizes[order[k]]
+    return order, sorted_sizes
+
+
+@njit(cache=True, nogil=True)
+def _unsort(order, values):
+    out = np.empty(order.shape[0], np.int64)
+    for k in range(order.shape[0]):
+        out[order[k]] = values[k]
+    return out
+
+
+@njit(cache=True, nogil=True)
 def best_fit_decreasing(sizes, max_len, max_docs):
     """Best-fit decreasing: each piece, largest first, goes to the open row it fills most.
 
     sizes: (n,) int64 in 1..max_len. max_docs: a row closes once it holds that many pieces.
     Returns (row_of, num_rows): row_of (n,) int64, rows numbered in the order they were opened.
     Open rows are kept in buckets by free capacity (a stack of row ids per capacity, linked
-    through ``nxt``) with a presence tree over capacities: O(n log max_len) in all.
+    through ``nxt``) with a presence tree over capacities: O(n log max_len) in all. The main loop
+    walks the pieces in sorted order and writes sequentially (random access only where the data
+    structure needs it): at 10M pieces, cache misses dominate.
     """
     n = sizes.shape[0]
-    order = order_by_size_desc(sizes, max_len)
+    order, sorted_sizes = _sorted_desc(sizes, max_len)
     size = 1
     while size < max_len + 1:
         size *= 2
     tree = np.zeros(2 * size, np.uint8)
     head = np.full(max_len + 1, -1, np.int64)
     nxt = np.empty(n, np.int64)
-    docs = np.zeros(n, np.int64)
-    row_of = np.empty(n, np.int64)
+    limited = max_docs < n
+    docs = np.zeros(n if limited else 0, np.int64)
+    row_sorted = np.empty(n, np.int64)
     num_rows = 0
     for k in range(n):
-        i = order[k]
-        s = sizes[i]
+        s = sorted_sizes[k]
         c = _tree_first_at_least(tree, size, s)
         if c < 0:
             r = num_rows
@@ -162,15 +182,18 @@ def best_fit_decreasing(sizes, max_len, max_docs):
             if head[c] < 0:
                 _tree_clear(tree, size, c)
             free = c
-        row_of[i] = r
-        docs[r] += 1
+        row_sorted[k] = r
         left = free - s
-        if left > 0 and docs[r] < max_docs:
+        if limited:
+            docs[r] += 1
+            if docs[r] >= max_docs:
+                left = 0
+        if left > 0:
             if head[left] < 0:
                 _tree_set(tree, size, left)
             nxt[r] = head[left]
             head[left] = r
-    return row_of, num_rows
+    return _unsort(order, row_sorted), num_rows
 
 
 @njit(cache=True, nogil=True)
@@ -181,28 +204,29 @@ def first_fit_decreasing(sizes, max_len, max_docs):
     (max_len free), so the first fit is an opened row or the next new one. O(n log n).
     """
     n = sizes.shape[0]
-    order = order_by_size_desc(sizes, max_len)
+    order, sorted_sizes = _sorted_desc(sizes, max_len)
     size = 1
     while size < max(n, 1):
         size *= 2
     tree = np.full(2 * size, max_len, np.int64)
-    docs = np.zeros(size, np.int64)
-    row_of = np.empty(n, np.int64)
+    limited = max_docs < n
+    docs = np.zeros(size if limited else 0, np.int64)
+    row_sorted = np.empty(n, np.int64)
     num_rows = 0
     for k in range(n):
-        i = order[k]
-        s = sizes[i]
+        s = sorted_sizes[k]
         node = 1
         while node < size:
             node = 2 * node if tree[2 * node] >= s else 2 * node + 1
         r = node - size
         if r >= num_rows:
             num_rows = r + 1
-        row_of[i] = r
-        docs[r] += 1
+        row_sorted[k] = r
         free = tree[node] - s
-        if docs[r] >= max_docs:
-            free = 0
+        if limited:
+            docs[r] += 1
+            if docs[r] >= max_docs:
+                free = 0
         tree[node] = free
         node >>= 1
         while node >= 1:
@@ -211,7 +235,7 @@ def first_fit_decreasing(sizes, max_len, max_docs):
                 break
             tree[node] = v
             node >>= 1
-    return row_of, num_rows
+    return _unsort(order, row_sorted), num_rows
 
 
 @njit(cache=True, nogil=True)
@@ -275,22 +299,28 @@ def wrap(lengths, max_len, max_docs):
 
 
 @njit(cache=True, nogil=True)
-def emit_segments(row_of, num_rows, sample, start, stop):
+def emit_segments(row_of, new_row, num_rows, sample, start, stop):
     """Group pieces by row (stable counting sort): segments (m, 4) int64 ordered by row, then by
-    the pieces' given order within the row."""
+    the pieces' given order within the row, and the (num_rows,) count of pieces per row.
+
+    Piece k goes to row ``new_row[row_of[k]]`` (the seeded shuffle; pass an empty ``new_row``
+    to keep the packer's numbering)."""
     m = row_of.shape[0]
+    relabel = new_row.shape[0] > 0
     counts = np.zeros(num_rows + 1, np.int64)
     for k in range(m):
-        counts[row_of[k] + 1] += 1
+        r = new_row[row_of[k]] if relabel else row_of[k]
+        counts[r + 1] += 1
+    per_row = counts[1:].copy()
     for r in range(num_rows):
         counts[r + 1] += counts[r]
     segments = np.empty((m, 4), np.int64)
     for k in range(m):
-        r = row_of[k]
+        r = new_row[row_of[k]] if relabel else row_of[k]
         j = counts[r]
         counts[r] = j + 1
         segments[j, 0] = r
         segments[j, 1] = sample[k]
         segments[j, 2] = start[k]
         segments[j, 3] = stop[k]
-    return segments
+    return segments, per_row

@@ -349,13 +349,15 @@ def pack(
         row_of, num_rows = packer(sizes, max_len, max_docs)
         num_rows = int(num_rows)
         if strategy in ("bfd", "ffd") and seed is not None and num_rows > 1:
-            perm = np.random.default_rng(seed).permutation(num_rows)
-            row_of = perm[row_of]
-        segments = K.emit_segments(row_of, num_rows, sample, start, stop)
+            new_row = np.random.default_rng(seed).permutation(num_rows)
+        else:
+            new_row = np.zeros(0, dtype=np.int64)
+        segments, docs = K.emit_segments(row_of, new_row, num_rows, sample, start, stop)
 
     num_rows = int(num_rows)
     placed = tokens - truncated - dropped
-    docs = np.bincount(segments[:, 0], minlength=num_rows) if num_rows else np.zeros(0, np.int64)
+    if strategy == "wrap":
+        docs = np.bincount(segments[:, 0], minlength=num_rows)
     stats = PackStats(
         samples=n,
         tokens=tokens,
@@ -378,4 +380,9 @@ def pack(
     )
     segments.setflags(write=False)
     lengths.setflags(write=False)
-    return PackPlan(segments, num_rows, max_len, lengths, strategy, stats)
+    plan = PackPlan(segments, num_rows, max_len, lengths, strategy, stats)
+    offsets = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(docs, out=offsets[1:])
+    offsets.setflags(write=False)
+    plan.__dict__["row_offsets"] = offsets  # fills the cached_property: no second pass
+    return plan
