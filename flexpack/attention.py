@@ -1,5 +1,291 @@
-"""flexpack.attention: masked attention on every device (owned by the attention work)."""
+"""flexpack.attention: masked attention for packed rows, on every device, forward and backward.
+
+One call picks the path that can run the mask on the inputs' device:
+
+========  =====================  ===============================================================
+device    needs grad             path (``backend="auto"``)
+========  =====================  ===============================================================
+CUDA      any                    document / document_causal masks in fp16/bf16: torch's varlen
+                                 FlashAttention; causal alone: SDPA ``is_causal``; else compiled
+                                 flex_attention
+CPU       no                     compiled flex_attention at fixed shapes
+CPU       yes                    SDPA: per document for document / document_causal masks, with a
+                                 dense mask for any other composition (flex has no CPU backward)
+========  =====================  ===============================================================
+
+Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
+a query with no allowed key (padding) gets 0, never NaN, in the output and in the gradients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask
+
+from flexpack import _attention_flex, _attention_sdpa
+from flexpack import masks as _masks
+from flexpack._attention_flex import RecompileLimitError
+
+__all__ = ["RecompileLimitError", "attention"]
+
+Backend = Literal["auto", "flex", "varlen", "sdpa"]
+_BACKENDS = ("auto", "flex", "varlen", "sdpa")
+_DOCUMENT_KINDS = ("document", "document_causal")
 
 
-def attention(q, k, v, mask, *, scale=None, enable_gqa=False, backend="auto"):
-    raise NotImplementedError
+@dataclass(frozen=True)
+class _MaskSpec:
+    """What the dispatcher knows about a mask argument."""
+
+    kind: str | None  # flexpack Mask kind; None for a foreign BlockMask
+    doc_ids: Tensor | None  # (Bm, S) int, Bm in {1, B}; None when the mask has none
+    mask: Any  # the flexpack Mask, or None
+    block_mask: BlockMask | None  # given by the caller, or None (built on demand)
+
+
+def _is_flexpack_mask(obj: object) -> bool:
+    # Duck-typed (as flexpack.testing does) so that any object honouring the Mask contract works.
+    return hasattr(obj, "mask_mod") and hasattr(obj, "kind") and not isinstance(obj, BlockMask)
+
+
+def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
+    B, _, S, _ = q.shape
+    block_mask = None
+    if isinstance(mask, BlockMask):
+        block_mask = mask
+        mask_of = getattr(_masks, "mask_of", None)
+        recovered = mask_of(mask) if mask_of is not None else None
+        if block_mask.seq_lengths != (S, S):
+            raise ValueError(
+                f"the BlockMask is for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but q, k, v "
+                f"have sequence length {S}; build the mask from doc_ids of shape (B, {S})"
+            )
+        Bm = int(block_mask.kv_num_blocks.shape[0])
+        if Bm not in (1, B):
+            raise ValueError(
+                f"the BlockMask has batch size {Bm} but q has batch size {B}; expected 1 or {B}"
+            )
+        if block_mask.kv_num_blocks.device != q.device:
+            raise ValueError(
+                f"the BlockMask is on {block_mask.kv_num_blocks.device} but q is on {q.device}; "
+                "build the mask from doc_ids on the same device (or move it with .to(device))"
+            )
+        if recovered is None:
+            return _MaskSpec(kind=None, doc_ids=None, mask=None, block_mask=block_mask)
+        mask = recovered
+    elif not _is_flexpack_mask(mask):
+        raise TypeError(
+            f"mask must be a flexpack Mask (flexpack.masks.document(doc_ids) & "
+            f"flexpack.masks.causal(), ...) or a BlockMask (flexpack.document_causal_mask(...)), "
+            f"got {type(mask).__name__}"
+        )
+    doc_ids = getattr(mask, "doc_ids", None)
+    if doc_ids is not None:
+        if doc_ids.dim() == 1:
+            doc_ids = doc_ids.unsqueeze(0)
+        if doc_ids.dim() != 2 or doc_ids.shape[1] != S or doc_ids.shape[0] not in (1, B):
+            raise ValueError(
+                f"the mask was built from doc_ids of shape {tuple(mask.doc_ids.shape)} but q has "
+                f"batch size {B} and sequence length {S}; expected doc_ids of shape ({B}, {S}), "
+                f"(1, {S}) or ({S},)"
+            )
+        if doc_ids.device != q.device:
+            raise ValueError(
+                f"the mask's doc_ids are on {doc_ids.device} but q is on {q.device}; "
+                "build the mask from doc_ids on q's device (doc_ids.to(q.device))"
+            )
+    return _MaskSpec(kind=mask.kind, doc_ids=doc_ids, mask=mask, block_mask=block_mask)
+
+
+def _check_inputs(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D (B, H, S, D), got shape {tuple(x.shape)}; "
+                "for (B, S, H, D) activations pass x.transpose(1, 2)"
+            )
+        if not x.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    B, Hq, S, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[2] != S or k.shape[3] != D:
+        raise ValueError(
+            f"expected k and v of shape ({B}, Hkv, {S}, {D}) to match q {tuple(q.shape)}, got "
+            f"k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    Hkv = k.shape[1]
+    if Hkv != Hq and not enable_gqa:
+        raise ValueError(
+            f"q has {Hq} heads but k and v have {Hkv}; pass enable_gqa=True for grouped-query "
+            "attention (or repeat k and v to the query heads)"
+        )
+    if Hq % Hkv != 0:
+        raise ValueError(
+            f"grouped-query attention needs the query heads ({Hq}) to be a multiple of the "
+            f"key/value heads ({Hkv})"
+        )
+
+
+def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+
+
+def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str) -> str:
+    """The path for these inputs: "flex", "varlen", "sdpa_document", "sdpa_causal", "sdpa_dense".
+
+    Raises ValueError when ``backend`` cannot run this mask on this device.
+    """
+    on_cuda = q.device.type == "cuda"
+    grad = _needs_grad(q, k, v)
+    per_document = spec.kind in _DOCUMENT_KINDS and spec.doc_ids is not None
+
+    def sdpa_path() -> str:
+        if per_document:
+            return "sdpa_document"
+        if spec.kind == "causal":
+            return "sdpa_causal"
+        return "sdpa_dense"
+
+    if backend == "sdpa":
+        return sdpa_path()
+    if backend == "flex":
+        if grad and q.device.type == "cpu":
+            raise ValueError(
+                f"backend='flex' cannot train on CPU: torch {torch.__version__}'s flex_attention "
+                "has no CPU backward. Use backend='auto' or 'sdpa' (same result, with a "
+                "backward), or run under torch.no_grad()"
+            )
+        return "flex"
+    if backend == "varlen":
+        problems = []
+        if not on_cuda:
+            problems.append(f"it runs on CUDA only (q is on {q.device})")
+        if q.dtype not in _attention_flex.VARLEN_DTYPES:
+            problems.append(f"it needs float16 or bfloat16 (q is {q.dtype})")
+        if not per_document:
+            what = "a foreign BlockMask" if spec.kind is None else f"a {spec.kind!r} mask"
+            problems.append(f"it supports document and document_causal masks only (got {what})")
+        if not _attention_flex.varlen_available():
+            problems.append(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+        if problems:
+            raise ValueError(
+                "backend='varlen' cannot run here: "
+                + "; ".join(problems)
+                + ". Use backend='auto' to pick a path that can."
+            )
+        return "varlen"
+    # backend == "auto"
+    if on_cuda:
+        if (
+            per_document
+            and q.dtype in _attention_flex.VARLEN_DTYPES
+            and _attention_flex.varlen_available()
+        ):
+            return "varlen"
+        if spec.kind == "causal":
+            return "sdpa_causal"
+        return "flex"
+    if q.device.type == "cpu" and not grad:
+        return "flex"
+    return sdpa_path()
+
+
+def _dense_mask(spec: _MaskSpec, B: int, Hq: int, S: int, device: torch.device) -> Tensor:
+    if spec.mask is None:  # a foreign BlockMask: reproduce exactly what flex computes with it
+        return _attention_sdpa.dense_mask_from_block_mask(spec.block_mask, device)
+    Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
+    return _attention_sdpa.dense_mask_from_mod(spec.mask.mask_mod, Bm, 1, S, device)
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Any,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: Backend = "auto",
+) -> Tensor:
+    """Masked scaled-dot-product attention for packed rows, with a backward on every device.
+
+    Shape legend: B batch (rows), Hq query heads, Hkv key/value heads, S tokens per row, D head
+    dimension.
+
+    Args:
+        q: (B, Hq, S, D) float16, bfloat16, float32 (or float64 on the SDPA paths).
+        k, v: (B, Hkv, S, D), same dtype and device as q. Hkv < Hq needs ``enable_gqa=True``
+            and Hq % Hkv == 0.
+        mask: a flexpack mask (``flexpack.masks.document(doc_ids) & flexpack.masks.causal()``,
+            ...) or a BlockMask (``flexpack.document_causal_mask(doc_ids)``, or one of your own
+            from ``create_block_mask``), for (S, S) and batch size 1 or B, on q's device.
+            flexpack masks let the call pick per-document kernels; a foreign BlockMask runs on
+            the "flex" backend, or on "sdpa" through its dense twin.
+        scale: softmax scale; default ``1 / sqrt(D)``.
+        enable_gqa: allow Hkv < Hq (grouped-query attention).
+        backend: "auto" (default) picks the fastest path that supports the mask, device and
+            whether a backward is needed (see the module docstring). "flex": compiled
+            flex_attention, compiled once per (device, dtype) and shape, never recompiled for a
+            new document layout. "varlen": torch's FlashAttention varlen kernel
+            (``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, document and
+            document_causal masks). "sdpa": ``scaled_dot_product_attention`` per document for
+            document masks, with a dense (B, 1, S, S) mask otherwise; any device, with backward.
+
+    Returns:
+        (B, Hq, S, D) tensor, q's dtype and device. Queries with no allowed key (padding) are 0.
+
+    Raises:
+        TypeError: q, k, v are not floating tensors of one dtype; ``mask`` is neither a flexpack
+            mask nor a BlockMask.
+        ValueError: shapes disagree (q vs k/v, mask vs S or B), devices disagree, Hkv != Hq
+            without ``enable_gqa``, an unknown backend, or a backend that cannot run this mask
+            here ("flex" with grad on CPU, "varlen" off CUDA / in fp32 / on a non-document mask).
+        RecompileLimitError: compiled flex_attention hit dynamo's recompile limit (too many
+            distinct shapes); raised instead of silently running eagerly, many times slower.
+
+    Example:
+        >>> import torch, flexpack
+        >>> doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1]])  # (B, S); -1 is padding
+        >>> mask = flexpack.masks.document(doc_ids) & flexpack.masks.causal()
+        >>> q = torch.randn(1, 2, 6, 8, requires_grad=True)  # (B, Hq, S, D)
+        >>> k = v = torch.randn(1, 1, 6, 8)  # (B, Hkv, S, D)
+        >>> out = flexpack.attention(q, k, v, mask, enable_gqa=True)
+        >>> out.shape, bool(out[0, :, -1].eq(0).all())  # padding gives 0
+        (torch.Size([1, 2, 6, 8]), True)
+        >>> out.sum().backward()  # on CPU too: the per-document SDPA path
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    _check_inputs(q, k, v, enable_gqa)
+    if scale is not None and not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    spec = _mask_spec(mask, q)
+    path = _choose_path(q, k, v, spec, backend)
+    B, Hq, S, _ = q.shape
+
+    if path == "flex":
+        block_mask = spec.block_mask
+        if block_mask is None:
+            Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
+            block_mask = spec.mask.block_mask(B=Bm, Q_LEN=S, KV_LEN=S, device=q.device)
+        return _attention_flex.flex(q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa)
+    if path in ("varlen", "sdpa_document"):
+        doc_ids = spec.doc_ids.expand(B, S)
+        run = _attention_flex.varlen if path == "varlen" else _attention_sdpa.per_document_sdpa
+        causal = spec.kind == "document_causal"
+        return run(q, k, v, doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa)
+    if path == "sdpa_causal":
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
+    dense = _dense_mask(spec, B, Hq, S, q.device)
+    return _attention_sdpa.dense_sdpa(q, k, v, dense, scale=scale, enable_gqa=enable_gqa)

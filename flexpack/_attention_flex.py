@@ -1,0 +1,116 @@
+"""Kernel paths of ``flexpack.attention``: compiled flex_attention, torch's FlashAttention varlen.
+
+Compilation is lazy and cached (nothing compiles at import). Shapes are fixed
+(``dynamic=False``): a new (B, H, S, D) compiles once more, a new document layout at the same shape
+does not. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` compiled variants per
+function and then silently runs flex_attention eagerly, which materializes the whole score matrix
+(one peer's users lost 5x that way). Here that case raises instead, with the fix.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from flexpack._attention_sdpa import _tokens, _untokens, document_groups
+
+
+class RecompileLimitError(RuntimeError):
+    """Compiled flex_attention hit dynamo's recompile limit and would run eagerly (slowly)."""
+
+
+@functools.cache
+def compiled_flex_attention(device_type: str, dtype: torch.dtype, dynamic: bool = False):
+    """``torch.compile(flex_attention)`` for one (device type, dtype, options), built once.
+
+    ``device_type`` and ``dtype`` only key the cache: one compiled wrapper per configuration keeps
+    each configuration's guards apart and makes the compile count easy to reason about.
+    """
+    del device_type, dtype
+    return torch.compile(flex_attention, dynamic=dynamic, fullgraph=True)
+
+
+def _recompile_limit() -> int:
+    cfg = torch._dynamo.config
+    return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
+def flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_mask: BlockMask,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """Compiled flex_attention; raises :class:`RecompileLimitError` instead of an eager fallback."""
+    fn = compiled_flex_attention(q.device.type, q.dtype)
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as err:
+        raise RecompileLimitError(
+            f"compiled flex_attention hit torch._dynamo.config.recompile_limit="
+            f"{_recompile_limit()}: it has been compiled for that many distinct input shapes "
+            f"(this call: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
+            f"block size {block_mask.BLOCK_SIZE}). Dynamo would now run flex_attention eagerly, "
+            "which materializes the full score matrix and is many times slower. Fix: feed rows "
+            "of a fixed length (pack to max_len and keep the padding; a few bucket lengths at "
+            "most), or raise torch._dynamo.config.recompile_limit if you really need more shapes."
+        ) from err
+
+
+def varlen_available() -> bool:
+    """Whether torch ships ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """torch's FlashAttention varlen kernel over the documents of ``doc_ids`` (B, S).
+
+    Tokens are unpadded flash-attn style (``indices`` / ``cu_seqlens``), attended per document
+    and scattered back; padding gets 0. Costs one host sync (``max_seqlen``).
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    B, Hq, S, D = q.shape
+    groups = document_groups(doc_ids)
+    order = groups.order
+    qs, ks, vs = (_tokens(x).index_select(0, order) for x in (q, k, v))  # (T, H, D)
+    out = q.new_zeros(B * S, Hq, D)
+    if order.numel() == 0:
+        return _untokens(out + 0.0 * (qs.sum() + ks.sum() + vs.sum()), B, S)
+    max_seqlen = int(groups.seqlens.max())
+    o = varlen_attn(
+        qs,
+        ks,
+        vs,
+        groups.cu_seqlens,
+        groups.cu_seqlens,
+        max_seqlen,
+        max_seqlen,
+        scale=scale,
+        window_size=(-1, 0) if causal else (-1, -1),
+        enable_gqa=enable_gqa,
+    )
+    return _untokens(out.index_copy(0, order, o), B, S)

@@ -1,0 +1,201 @@
+"""SDPA paths of ``flexpack.attention``: per-document and dense-mask, on any device, with backward.
+
+flex_attention has no CPU backward in torch 2.13, so training on CPU goes through
+``scaled_dot_product_attention`` instead. Two exact paths:
+
+- per-document (``document`` / ``document_causal`` masks): tokens are gathered by document,
+  documents of equal length run as one batched SDPA call, outputs are scattered back. Work is
+  the sum over documents of ``L_i^2`` instead of ``S^2``, and no (S, S) mask is ever built.
+- dense (every other mask): the mask is evaluated into a (B, H, S, S) bool tensor and handed to
+  SDPA. Rows with no allowed key are computed against all keys (so no NaN appears anywhere) and
+  then zeroed, which also zeroes their gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, create_mask
+
+
+@dataclass(frozen=True)
+class DocumentGroups:
+    """Tokens of a (B, S) ``doc_ids`` grouped by document.
+
+    A document is a pair (row, id) with id >= 0; its tokens need not be contiguous (arbitrary and
+    repeated ids are valid). Tokens are ordered by row, then id, then position, so inside a
+    document the order is the position order and causal masking stays correct.
+
+    Attributes:
+        order: (T,) int64 positions of the non-padding tokens in the flattened (B * S,) stream,
+            grouped by document. For packer layouts (ids 0..n-1 in order, padding at the row ends)
+            this is exactly flash-attn's ``unpad_input`` ``indices``.
+        seqlens: (N,) int64 length of each document, in the order of ``order``.
+        cu_seqlens: (N + 1,) int32 offsets of the documents in ``order``.
+    """
+
+    order: Tensor
+    seqlens: Tensor
+    cu_seqlens: Tensor
+
+
+def document_groups(doc_ids: Tensor) -> DocumentGroups:
+    """Group the tokens of ``doc_ids`` (B, S) int by document (see :class:`DocumentGroups`)."""
+    B, S = doc_ids.shape
+    # A stable sort per row orders tokens by (id, position); padding (< 0) sorts first.
+    ids, idx = torch.sort(doc_ids.long(), dim=1, stable=True)
+    rows = torch.arange(B, device=doc_ids.device).unsqueeze(1).expand(B, S)
+    keep = ids >= 0
+    ids, rows = ids[keep], rows[keep]  # (T,)
+    order = (idx + torch.arange(B, device=doc_ids.device).unsqueeze(1) * S)[keep]
+    T = ids.numel()
+    if T == 0:
+        seqlens = ids.new_zeros(0)
+    else:
+        new_doc = torch.ones(T, dtype=torch.bool, device=doc_ids.device)
+        new_doc[1:] = (ids[1:] != ids[:-1]) | (rows[1:] != rows[:-1])
+        starts = torch.nonzero(new_doc).squeeze(1)
+        seqlens = torch.diff(starts, append=starts.new_full((1,), T))
+    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=doc_ids.device)
+    cu_seqlens[1:] = torch.cumsum(seqlens, 0)
+    return DocumentGroups(order=order, seqlens=seqlens, cu_seqlens=cu_seqlens)
+
+
+def _tokens(x: Tensor) -> Tensor:
+    """(B, H, S, D) -> (B * S, H, D), the flash-attn token-major layout."""
+    B, H, S, D = x.shape
+    return x.transpose(1, 2).reshape(B * S, H, D)
+
+
+def _untokens(x: Tensor, B: int, S: int) -> Tensor:
+    """(B * S, H, D) -> (B, H, S, D)."""
+    return x.reshape(B, S, x.shape[1], x.shape[2]).transpose(1, 2)
+
+
+def per_document_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    doc_ids: Tensor,
+    *,
+    causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+) -> Tensor:
+    """Attention restricted to each document, one SDPA call per distinct document length.
+
+    Args:
+        q: (B, Hq, S, D); k, v: (B, Hkv, S, D).
+        doc_ids: (B, S) int on q's device; negative values mark padding.
+        causal: also mask keys after the query (in position order inside the document).
+
+    Returns:
+        (B, Hq, S, D), 0 on padding tokens.
+    """
+    B, Hq, S, D = q.shape
+    groups = document_groups(doc_ids)
+    order, seqlens = groups.order, groups.seqlens
+    qs, ks, vs = (_tokens(x).index_select(0, order) for x in (q, k, v))  # (T, H, D)
+    starts = groups.cu_seqlens[:-1].long()
+
+    # Documents of equal length share one batched call: sort documents by length and walk the
+    # runs. One host sync (the run lengths) instead of one per document.
+    lens_sorted, doc_perm = torch.sort(seqlens, stable=True)
+    run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
+    outs, dests = [], []
+    first = 0
+    for length, count in zip(run_lens.tolist(), run_counts.tolist(), strict=True):
+        docs = doc_perm[first : first + count]
+        first += count
+        tok = starts[docs].unsqueeze(1) + torch.arange(length, device=q.device)  # (n, L)
+        flat = tok.reshape(-1)
+        qd, kd, vd = (
+            x.index_select(0, flat).reshape(count, length, x.shape[1], D).transpose(1, 2)
+            for x in (qs, ks, vs)
+        )  # (n, H, L, D)
+        od = F.scaled_dot_product_attention(
+            qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=enable_gqa
+        )
+        outs.append(od.transpose(1, 2).reshape(count * length, Hq, D))
+        dests.append(order.index_select(0, flat))
+    out = q.new_zeros(B * S, Hq, D)
+    if outs:
+        out = out.index_copy(0, torch.cat(dests), torch.cat(outs))
+    else:  # no real token at all: keep the graph so backward still runs (gradients are 0)
+        out = out + 0.0 * (qs.sum() + ks.sum() + vs.sum())
+    return _untokens(out, B, S)
+
+
+def dense_mask_from_mod(
+    mask_mod: Callable[..., Tensor], B: int, H: int, S: int, device: torch.device
+) -> Tensor:
+    """Evaluate ``mask_mod`` on the whole (B, H, S, S) grid; returns a bool tensor.
+
+    Broadcast index tensors first: (B, 1, 1, 1), (1, H, 1, 1), (1, 1, S, 1), (1, 1, 1, S) give
+    one S x S comparison per factor without the (S, S) integer intermediates that vmap makes.
+    Mask mods that do not broadcast (rare) fall back to torch's vmap-based ``create_mask``.
+    """
+    b = torch.arange(B, device=device).view(B, 1, 1, 1)
+    h = torch.arange(H, device=device).view(1, H, 1, 1)
+    qi = torch.arange(S, device=device).view(1, 1, S, 1)
+    kv = torch.arange(S, device=device).view(1, 1, 1, S)
+    try:
+        dense = mask_mod(b, h, qi, kv)
+        return torch.broadcast_to(dense, (B, H, S, S)).to(torch.bool)
+    except (RuntimeError, IndexError, TypeError):
+        return create_mask(mask_mod, B, H, S, S, device=device).to(torch.bool)
+
+
+def dense_mask_from_block_mask(block_mask: BlockMask, device: torch.device) -> Tensor:
+    """What flex_attention computes with ``block_mask``: (B, H, Q, KV) bool.
+
+    False on skipped blocks, True on full blocks, ``mask_mod`` on partial blocks.
+    """
+    Bm, Hm = block_mask.kv_num_blocks.shape[:2]
+    Q_LEN, KV_LEN = block_mask.seq_lengths
+    bq, bkv = block_mask.BLOCK_SIZE
+    n_q, n_kv = math.ceil(Q_LEN / bq), math.ceil(KV_LEN / bkv)
+
+    def blocks(num: Tensor | None, indices: Tensor | None) -> Tensor:
+        dense = torch.zeros(Bm, Hm, n_q, n_kv + 1, dtype=torch.bool, device=device)
+        if num is None or indices is None:
+            return dense[..., :n_kv]
+        num, indices = num[..., :n_q].to(device), indices[..., :n_q, :].to(device)
+        used = torch.arange(indices.shape[-1], device=device) < num.unsqueeze(-1)
+        cols = torch.where(used, indices.long(), n_kv)  # unused slots write a spare column
+        dense.scatter_(-1, cols, True)
+        return dense[..., :n_kv]
+
+    def expand(block: Tensor) -> Tensor:
+        return block.repeat_interleave(bq, dim=2)[:, :, :Q_LEN].repeat_interleave(bkv, dim=3)[
+            ..., :KV_LEN
+        ]
+
+    partial = expand(blocks(block_mask.kv_num_blocks, block_mask.kv_indices))
+    full = expand(blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
+    if Q_LEN != KV_LEN:
+        raise ValueError(
+            f"flexpack.attention needs a square BlockMask, got seq_lengths {block_mask.seq_lengths}"
+        )
+    elementwise = dense_mask_from_mod(block_mask.mask_mod, Bm, Hm, Q_LEN, device)
+    return full | (partial & elementwise)
+
+
+def dense_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, dense: Tensor, *, scale: float | None, enable_gqa: bool
+) -> Tensor:
+    """SDPA with a (B or 1, H or 1, S, S) bool mask; rows with no allowed key give exactly 0.
+
+    A fully masked row would make softmax 0/0. Such rows attend to every key instead (finite
+    values, finite gradients) and are zeroed afterwards, which zeroes their gradients too.
+    """
+    row_ok = dense.any(dim=-1, keepdim=True)  # (B, H, S, 1)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=dense | ~row_ok, scale=scale, enable_gqa=enable_gqa
+    )
+    return out.masked_fill(~row_ok, 0.0)
