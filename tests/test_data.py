@@ -217,3 +217,29 @@ def test_collate_dict_rows_and_errors():
         collate([[1, 2, 3]])
     with pytest.raises(ValueError, match="no rows"):
         collate([])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_collate_with_mask_in_workers(workers):
+    import functools
+    import pickle
+
+    from flexpack import document_causal_mask
+    from flexpack.data import collate_with_mask
+    from flexpack.masks import mask_of
+    from flexpack.testing import dense_mask
+
+    ds = PackedDataset(make_samples(40, 24, seed=7), 24)
+    fn = functools.partial(collate_with_mask, block_size=8)
+    loader = torch.utils.data.DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=fn)
+    for out in loader:
+        out = pickle.loads(pickle.dumps(out))  # what a worker sends
+        ref = document_causal_mask(out.batch.doc_ids, block_size=8)
+        assert mask_of(out.block_mask).kind == "document_causal"
+        assert torch.equal(out.block_mask.kv_num_blocks, ref.kv_num_blocks)
+        assert torch.equal(out.block_mask.full_kv_indices, ref.full_kv_indices)
+        r, s = out.batch.input_ids.shape
+        moved = out.to("cpu")
+        assert torch.equal(dense_mask(moved.block_mask, r, 1, s, s), dense_mask(ref, r, 1, s, s))
+    with pytest.raises(ValueError, match="mask must be one of"):
+        collate_with_mask([ds[0]], mask="causal")

@@ -4,19 +4,22 @@
 - ``DistributedPackedSampler`` / ``PackedDataset.shard`` / ``shard_rows``: equal row counts per
   rank, every row once per epoch (remainder chosen by the user), tokens balanced per step.
 - ``PackedIterableDataset``: streaming with a bounded buffer and exact mid-epoch resume.
-- ``collate``: rows -> ``PackedBatch`` (DataLoader ``collate_fn``).
+- ``collate``: rows -> ``PackedBatch`` (DataLoader ``collate_fn``); ``collate_with_mask`` also
+  builds the BlockMask in the worker (``MaskedBatch``).
 
 Hugging Face datasets and Ray live in ``flexpack.integrations.datasets`` / ``.ray``.
 """
 
-from flexpack.data.collate import collate
+from flexpack.data.collate import MaskedBatch, collate, collate_with_mask
 from flexpack.data.dataset import DistributedPackedSampler, PackedDataset, shard_rows
 from flexpack.data.streaming import PackedIterableDataset
 
 __all__ = [
     "DistributedPackedSampler",
+    "MaskedBatch",
     "PackedDataset",
     "PackedIterableDataset",
     "collate",
+    "collate_with_mask",
     "shard_rows",
 ]
