@@ -99,33 +99,38 @@ def per_document_sdpa(
     """
     B, Hq, S, D = q.shape
     groups = document_groups(doc_ids)
-    order, seqlens = groups.order, groups.seqlens
-    qs, ks, vs = (_tokens(x).index_select(0, order) for x in (q, k, v))  # (T, H, D)
-    starts = groups.cu_seqlens[:-1].long()
-
-    # Documents of equal length share one batched call: sort documents by length and walk the
-    # runs. One host sync (the run lengths) instead of one per document.
+    seqlens = groups.seqlens
+    # Reorder the documents by length so that documents of equal length are adjacent: then one
+    # gather (index_select) puts every token where its batched SDPA call wants it, the calls take
+    # contiguous slices, and one index_copy scatters the outputs back. (Gathering per call instead
+    # costs a full-size zero-fill + scatter per call in the backward.)
     lens_sorted, doc_perm = torch.sort(seqlens, stable=True)
+    starts_sorted = groups.cu_seqlens[:-1].long()[doc_perm]
+    before = torch.cumsum(lens_sorted, 0) - lens_sorted  # new start of each document
+    T = groups.order.numel()
+    within = torch.arange(T, device=q.device) - torch.repeat_interleave(before, lens_sorted)
+    perm = groups.order[torch.repeat_interleave(starts_sorted, lens_sorted) + within]  # (T,)
+    qs, ks, vs = (_tokens(x).index_select(0, perm) for x in (q, k, v))  # (T, H, D)
+
+    # One host sync for the run lengths, instead of one per document. One split per tensor (its
+    # backward is a single cat; slicing per call would zero-fill a full-size gradient per call).
     run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
-    outs, dests = [], []
-    first = 0
-    for length, count in zip(run_lens.tolist(), run_counts.tolist(), strict=True):
-        docs = doc_perm[first : first + count]
-        first += count
-        tok = starts[docs].unsqueeze(1) + torch.arange(length, device=q.device)  # (n, L)
-        flat = tok.reshape(-1)
+    runs = list(zip(run_lens.tolist(), run_counts.tolist(), strict=True))
+    sizes = [length * count for length, count in runs]
+    outs = []
+    for (length, count), qd, kd, vd in zip(
+        runs, *(torch.split(x, sizes) for x in (qs, ks, vs)), strict=True
+    ):
         qd, kd, vd = (
-            x.index_select(0, flat).reshape(count, length, x.shape[1], D).transpose(1, 2)
-            for x in (qs, ks, vs)
+            x.reshape(count, length, x.shape[1], D).transpose(1, 2) for x in (qd, kd, vd)
         )  # (n, H, L, D)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=enable_gqa
         )
-        outs.append(od.transpose(1, 2).reshape(count * length, Hq, D))
-        dests.append(order.index_select(0, flat))
+        outs.append(od.transpose(1, 2).reshape(length * count, Hq, D))
     out = q.new_zeros(B * S, Hq, D)
     if outs:
-        out = out.index_copy(0, torch.cat(dests), torch.cat(outs))
+        out = out.index_copy(0, perm, torch.cat(outs))
     else:  # no real token at all: keep the graph so backward still runs (gradients are 0)
         out = out + 0.0 * (qs.sum() + ks.sum() + vs.sum())
     return _untokens(out, B, S)
