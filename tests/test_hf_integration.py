@@ -26,18 +26,6 @@ MAX_LEN = 64
 ATOL = 1e-5
 
 
-def _landed() -> bool:  # TEMPORARY until flexpack.attention lands: then removed
-    try:
-        d = torch.zeros(1, 4, dtype=torch.int32)
-        flexpack.attention(*[torch.zeros(1, 1, 4, 2)] * 3, flexpack.document_causal_mask(d))
-    except NotImplementedError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _landed(), reason="flexpack.attention not landed yet")
-
-
 def llama(seed: int = 0, **overrides):
     name = register()
     config = transformers.LlamaConfig(

@@ -5,7 +5,8 @@ same document run alone and unpadded (fp32, atol 1e-5), and one optimizer step o
 gives the loss, gradients and updated weights of the unpacked samples under the matching reduction.
 The negative control drops the document mask (plain causal attention over the packed row, what a
 packing collator without a mask gives) and checks that the same comparison fails by a wide margin.
-Everything runs on CPU with grad, i.e. through ``flexpack.attention``'s SDPA path.
+Everything runs on CPU with grad, i.e. through ``flexpack.attention``'s SDPA path; one test runs
+the no-grad path (compiled flex_attention on CPU).
 """
 
 from __future__ import annotations
@@ -22,20 +23,6 @@ from flexpack.models import GPT, GPTConfig
 MAX_LEN = 64
 ATOL = 1e-5
 CFG = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
-
-
-def _landed() -> bool:  # TEMPORARY until attention, masks, loss and packing land: then removed
-    try:
-        d = torch.zeros(1, 4, dtype=torch.int32)
-        flexpack.pack_sequences([[1, 2]], 4)
-        flexpack.attention(*[torch.zeros(1, 1, 4, 2)] * 3, flexpack.document_causal_mask(d))
-        flexpack.packed_cross_entropy(torch.zeros(1, 4, 3), torch.zeros(1, 4, dtype=torch.long), d)
-    except NotImplementedError:
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _landed(), reason="flexpack pieces not landed yet")
 
 
 def random_samples(seed: int, *, n: int = 12, min_len: int = 1) -> list[torch.Tensor]:
@@ -94,16 +81,26 @@ def unpacked_loss(model: GPT, batch, docs, reduction: str) -> torch.Tensor:
     return torch.stack([s / c for s, c in zip(sums, counts, strict=True) if c > 0]).mean()
 
 
+def assert_each_document_alone(model: GPT, batch, docs) -> None:
+    packed = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+    for r, a, b in docs:
+        alone = model(batch.input_ids[r, a:b][None])[0]  # (L, V), no padding, no mask
+        torch.testing.assert_close(packed[r, a:b], alone, atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_packed_logits_equal_each_document_alone(seed):
-    samples = random_samples(seed)
-    batch, docs = pack(samples)
-    model = make_model(seed)
+    """With grad on CPU: flexpack.attention's SDPA path (what training runs)."""
+    batch, docs = pack(random_samples(seed))
+    assert_each_document_alone(make_model(seed), batch, docs)
+
+
+@pytest.mark.compile
+def test_packed_logits_equal_each_document_alone_no_grad():
+    """Without grad on CPU: flexpack.attention's compiled flex_attention path."""
+    batch, docs = pack(random_samples(0))
     with torch.no_grad():
-        packed = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
-        for r, a, b in docs:
-            alone = model(batch.input_ids[r, a:b][None])[0]  # (L, V), no padding, no mask
-            torch.testing.assert_close(packed[r, a:b], alone, atol=ATOL, rtol=0)
+        assert_each_document_alone(make_model(0), batch, docs)
 
 
 @pytest.mark.parametrize("reduction", ["token", "document"])
@@ -130,12 +127,11 @@ def test_optimizer_step_matches_unpacked(reduction):
         torch.testing.assert_close(p, u, atol=ATOL, rtol=1e-4, msg=f"{name} after the step")
 
     # The updated models still agree, and the step moved them (the loss went down).
-    with torch.no_grad():
-        logits = model_p(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
-        after_p = flexpack.packed_cross_entropy(
-            logits, batch.labels, batch.doc_ids, reduction=reduction
-        )
-        after_u = unpacked_loss(model_u, batch, docs, reduction)
+    logits = model_p(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+    after_p = flexpack.packed_cross_entropy(
+        logits, batch.labels, batch.doc_ids, reduction=reduction
+    )
+    after_u = unpacked_loss(model_u, batch, docs, reduction)
     torch.testing.assert_close(after_p, after_u, atol=ATOL, rtol=0)
     assert after_p < loss_p
 
@@ -145,14 +141,13 @@ def test_without_document_mask_the_comparison_fails():
     samples = random_samples(4)
     batch, docs = pack(samples)
     model = make_model(4)
-    with torch.no_grad():
-        leaky = model(batch.input_ids, position_ids=batch.position_ids)  # no doc_ids: causal
-        masked = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
-        worst_leaky = worst_masked = 0.0
-        for r, a, b in docs:
-            alone = model(batch.input_ids[r, a:b][None])[0]
-            worst_leaky = max(worst_leaky, (leaky[r, a:b] - alone).abs().max().item())
-            worst_masked = max(worst_masked, (masked[r, a:b] - alone).abs().max().item())
+    leaky = model(batch.input_ids, position_ids=batch.position_ids)  # no doc_ids: causal
+    masked = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+    worst_leaky = worst_masked = 0.0
+    for r, a, b in docs:
+        alone = model(batch.input_ids[r, a:b][None])[0]
+        worst_leaky = max(worst_leaky, (leaky[r, a:b] - alone).abs().max().item())
+        worst_masked = max(worst_masked, (masked[r, a:b] - alone).abs().max().item())
     assert worst_masked <= ATOL
     assert worst_leaky > 1000 * ATOL, f"the leak should be large, got {worst_leaky:.2e}"
 
@@ -179,11 +174,8 @@ def test_mask_is_built_once_per_batch(monkeypatch):
     monkeypatch.setattr(gpt, "document_causal_mask", lambda d: calls.append(d) or build(d))
     batch, _ = pack(random_samples(5))
     model = make_model(5)
-    with torch.no_grad():
-        out = model(batch.input_ids, doc_ids=batch.doc_ids)  # positions derived from doc_ids
-        prebuilt = model(
-            batch.input_ids, position_ids=batch.position_ids, mask=build(batch.doc_ids)
-        )
+    out = model(batch.input_ids, doc_ids=batch.doc_ids)  # positions derived from doc_ids
+    prebuilt = model(batch.input_ids, position_ids=batch.position_ids, mask=build(batch.doc_ids))
     assert len(calls) == 1 and CFG.n_layer > 1
     torch.testing.assert_close(out, prebuilt, atol=ATOL, rtol=0)
     assert torch.equal(gpt.position_ids_from_doc_ids(batch.doc_ids), batch.position_ids.long())
