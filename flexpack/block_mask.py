@@ -119,7 +119,7 @@ class _BlockStats:
         B, S = doc_ids.shape
         nb = _num_blocks(S, block_size)
         tail = nb * block_size - S
-        d = doc_ids.to(torch.int64)
+        d = _narrow(doc_ids)
         real = d >= 0
         pad_token = ~real
         if tail:
@@ -129,7 +129,7 @@ class _BlockStats:
             pad_token = torch.nn.functional.pad(pad_token, (0, tail), value=False)
         d = d.view(B, nb, block_size)
         real = real.view(B, nb, block_size)
-        big = torch.iinfo(torch.int64).max
+        big = torch.iinfo(d.dtype).max
         self.any_real = real.any(-1)
         self.all_real = ~pad_token.view(B, nb, block_size).any(-1)
         self.lo = torch.where(real, d, big).amin(-1)
@@ -137,10 +137,23 @@ class _BlockStats:
         self.single = self.any_real & (self.lo == self.hi)
 
 
+def _narrow(doc_ids: Tensor) -> Tensor:
+    """Doc ids as int32 when they fit the dtype (halves per-token temporaries), else int64."""
+    return doc_ids if doc_ids.dtype == torch.int64 else doc_ids.to(torch.int32)
+
+
 def _rows_sorted(doc_ids: Tensor) -> bool:
-    """Whether the real (>= 0) ids of every row are non-decreasing (one host sync)."""
-    d = doc_ids.to(torch.int64)
+    """Whether the real (>= 0) ids of every row are non-decreasing (host syncs)."""
+    d = _narrow(doc_ids)
     real = d >= 0
+    both = real[:, 1:] & real[:, :-1]
+    if not bool(torch.all(~both | (d[:, 1:] >= d[:, :-1]))):
+        return False
+    # Adjacent real tokens are ordered. Without a real token right after padding (packer
+    # layouts: padding at the row end) that is the whole answer; otherwise compare every real
+    # token with the running maximum before it.
+    if not bool((real[:, 1:] & ~real[:, :-1]).any()):
+        return True
     running = torch.cummax(torch.where(real, d, -1), dim=-1).values
     return bool(torch.all(~real | (d == running)))
 
@@ -273,7 +286,7 @@ def classify_prefix_lm(doc_ids: Tensor, in_prefix: Tensor, block_size: int) -> T
     sorted_ = True  # validated by the caller: ids 0..n-1 in order
     stats = _BlockStats(doc_ids, block_size)
     doc = _document_classes(stats, _document_nonempty(doc_ids, stats, block_size, sorted_))
-    pdoc_ids = torch.where(in_prefix, doc_ids.to(torch.int64), -1)
+    pdoc_ids = torch.where(in_prefix, doc_ids, -1)
     pstats = _BlockStats(pdoc_ids, block_size)
     pdoc = _document_classes(pstats, _document_nonempty(pdoc_ids, pstats, block_size, sorted_))
     i = torch.arange(nb, device=doc_ids.device)
@@ -328,21 +341,45 @@ def combine_not(classes: Tensor) -> Tensor:
     return FULL - classes
 
 
-def _ordered(dense: Tensor) -> tuple[Tensor, Tensor]:
-    """Row counts and column indices of a (..., n, m) bool matrix, as ``create_block_mask``.
+_CHUNK = 1 << 18  # block-matrix entries per step of _ordered: bounds its temporaries (~4 MB)
 
-    The indices list the True columns in ascending order, then the False ones in ascending
-    order (a stable descending sort): (..., n) int32 and (..., n, m) int32.
+
+def _ordered(classes: Tensor, value: int, transpose: bool) -> tuple[Tensor, Tensor]:
+    """Counts and indices of the blocks in state ``value``, laid out as ``create_block_mask``.
+
+    Args:
+        classes: (B, n, m) int8 block states.
+        value: the state to list (PARTIAL or FULL).
+        transpose: list per column (the q_* tensors) instead of per row (the kv_* tensors).
+
+    Returns:
+        (B, 1, rows) int32 counts and (B, 1, rows, cols) int32 indices: per row, the matching
+        columns in ascending order, then the others in ascending order (a stable descending
+        sort of the 0/1 row, which is what create_block_mask stores).
     """
-    num = dense.sum(-1, dtype=torch.int32)
-    m = dense.shape[-1]
-    # Destination of column j: its rank among the True columns, or after all of them.
-    true_rank = torch.cumsum(dense, -1, dtype=torch.int32)
-    col = torch.arange(1, m + 1, dtype=torch.int32, device=dense.device)
-    dest = torch.where(dense, true_rank, num[..., None] + col - true_rank) - 1
-    indices = torch.empty(dense.shape, dtype=torch.int32, device=dense.device)
-    indices.scatter_(-1, dest.to(torch.int64), col.expand_as(dest) - 1)
-    return num, indices
+    if transpose:  # a 1-byte-per-entry copy: rows must be contiguous to flatten
+        classes = classes.transpose(-2, -1)
+    B, n, m = classes.shape
+    classes = classes.reshape(B * n, m)
+    device = classes.device
+    num = torch.empty(B * n, dtype=torch.int32, device=device)
+    indices = torch.empty(B * n, m, dtype=torch.int32, device=device)
+    j = torch.arange(m, dtype=torch.int32, device=device)
+    # Rows go in at most a few steps only to bound the temporaries (~17 bytes per entry of a
+    # step) to a fraction of the output; each step is vectorized over its rows.
+    step = max(1, min(_CHUNK // m, -(-(B * n) // 4)))
+    for r in range(0, B * n, step):
+        hit = classes[r : r + step] == value  # (rows, m) bool
+        cnt = hit.sum(-1, dtype=torch.int32)
+        rank = torch.cumsum(hit, -1, dtype=torch.int32)  # 1-based rank among the hits
+        # Destination of column j: rank - 1 for a hit; for a miss, after all cnt hits by its
+        # rank among the misses: cnt + j - rank.
+        dest = (cnt[:, None] + j).sub_(rank)
+        torch.where(hit, rank.sub_(1), dest, out=dest)
+        del rank, hit
+        indices[r : r + step].scatter_(-1, dest.long(), j.expand_as(dest))
+        num[r : r + step] = cnt
+    return num.view(B, 1, n), indices.view(B, 1, n, m)
 
 
 def build_block_mask(
@@ -381,13 +418,10 @@ def build_block_mask(
         if q_len % block_size == 0:
             classes = classes.clone()
         classes[:, :, -1] = torch.clamp(classes[:, :, -1], max=PARTIAL)
-    classes = classes[:, None]  # (B, 1, nq, nk): one head, broadcast by flex_attention
-    partial = classes == PARTIAL
-    full = classes == FULL
-    kv_num, kv_idx = _ordered(partial)
-    full_kv_num, full_kv_idx = _ordered(full)
-    q_num, q_idx = _ordered(partial.transpose(-2, -1))
-    full_q_num, full_q_idx = _ordered(full.transpose(-2, -1))
+    kv_num, kv_idx = _ordered(classes, PARTIAL, transpose=False)
+    full_kv_num, full_kv_idx = _ordered(classes, FULL, transpose=False)
+    q_num, q_idx = _ordered(classes, PARTIAL, transpose=True)
+    full_q_num, full_q_idx = _ordered(classes, FULL, transpose=True)
     return BlockMask(
         seq_lengths=(q_len, kv_len),
         kv_num_blocks=kv_num,

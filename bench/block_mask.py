@@ -1,0 +1,257 @@
+"""BlockMask construction: flexpack (from doc ids) vs torch's create_block_mask, eager and compiled.
+
+Usage:
+    python bench/block_mask.py                 # the full table (about 4-5 minutes on 2 cores)
+    python bench/block_mask.py --quick         # 4K and 16K only
+    python bench/block_mask.py --out bench/results/block_mask.md
+
+Every (S, B, method) runs in a fresh subprocess so peak memory is not polluted by the previous
+config (compiled code, allocator caches). Per config it reports:
+- time: median of the timed calls after one warm-up call (the compile for torch.compile).
+- peak: the high-water mark of live torch tensor bytes during one call, from the profiler's
+  allocation/free events (exact for tensors, blind to Python objects; works at every size,
+  where RSS cannot resolve kilobytes).
+- rss: ru_maxrss growth over the baseline taken after imports and input creation (includes the
+  compile for the compiled method, and a few MB of one-time lazy initialization for every
+  method); coarse, but catches allocations the profiler cannot see. Workers run with
+  MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed large blocks instead of growing the heap.
+- size: the BlockMask's own tensors (sum of nbytes), the denominator of "peak / size".
+
+Document lengths: lognormal, median 300, sigma 1.0, clipped to [1, S], concatenated per row and
+cut at S (what a packer emits, minus its end padding). Mask: document-causal.
+Torch runs with one intra-op thread for every method (the machine is shared; ratios within a run
+are what counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+CONFIGS = [(4096, 1), (4096, 8), (16384, 1), (16384, 8), (65536, 1), (65536, 8)]
+METHODS = ("flexpack", "eager", "compiled")
+EAGER_BYTES_PER_PAIR = 10  # measured: +2.6 GB at S=16K, B=1 (bool mask, padded copy, sums)
+COMPILED_PAIRS_PER_S = 3.0e8  # measured: about 0.9 s for 16K^2 pairs, one thread
+
+
+def _doc_ids(S: int, B: int, seed: int = 0):
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(B):
+        lengths = []
+        while sum(lengths) < S:
+            lengths.append(int(np.clip(rng.lognormal(np.log(300), 1.0), 1, S)))
+        row = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[:S]
+        rows.append(torch.from_numpy(row))
+    return torch.stack(rows)
+
+
+def _tensor_peak(fn) -> int:
+    """Peak of live tensor bytes during fn(), from the profiler's allocation events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def _worker(S: int, B: int, method: str, reps: int) -> dict:
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from flexpack import masks
+
+    torch.set_num_threads(1)
+    d = _doc_ids(S, B)
+    mask = masks.document(d) & masks.causal()
+    if method == "flexpack":
+        fn = lambda: mask.block_mask(block_size=128)
+    elif method == "eager":
+        fn = lambda: create_block_mask(mask.mask_mod, B, 1, S, S, device="cpu")
+    else:
+        compiled = torch.compile(create_block_mask)
+        fn = lambda: compiled(mask.mask_mod, B, 1, S, S, device="cpu")
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    bm = fn()  # warm-up (compiles for "compiled")
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        bm = fn()
+        times.append(time.perf_counter() - t0)
+    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
+    peak = _tensor_peak(fn) if method != "compiled" or S <= 16384 else None
+    size = sum(t.nbytes for t in bm.as_tuple() if isinstance(t, torch.Tensor))
+    times.sort()
+    return {
+        "S": S,
+        "B": B,
+        "method": method,
+        "seconds": times[len(times) // 2],
+        "first": first,
+        "peak": peak,
+        "rss": rss,
+        "size": size,
+        "kv_num_blocks_sum": int(bm.kv_num_blocks.sum()),
+        "full_kv_num_blocks_sum": int(bm.full_kv_num_blocks.sum()),
+    }
+
+
+def _skip_reason(S: int, B: int, method: str, eager_gb: float, compiled_s: float) -> str | None:
+    pairs = B * S * S
+    if method == "eager" and pairs * EAGER_BYTES_PER_PAIR > eager_gb * 2**30:
+        return f"needs ~{pairs * EAGER_BYTES_PER_PAIR / 2**30:.0f} GB (O(B*S^2)), cap {eager_gb} GB"
+    if method == "compiled" and pairs / COMPILED_PAIRS_PER_S > compiled_s:
+        return f"~{pairs / COMPILED_PAIRS_PER_S:.0f} s per call (O(B*S^2)), cap {compiled_s} s"
+    return None
+
+
+def _reps(S: int, B: int, method: str) -> int:
+    if method == "flexpack":
+        return 7
+    return 3 if B * S * S <= 4096 * 4096 * 8 else 1
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"
+
+
+def _fmt_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.2f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="S in {4K, 16K} only")
+    parser.add_argument("--eager-gb", type=float, default=4.0, help="skip eager above this")
+    parser.add_argument("--compiled-s", type=float, default=20.0, help="skip compiled above")
+    parser.add_argument("--out", help="also write the markdown table here")
+    parser.add_argument("--worker", nargs=3, metavar=("S", "B", "METHOD"), help=argparse.SUPPRESS)
+    parser.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        S, B, method = int(args.worker[0]), int(args.worker[1]), args.worker[2]
+        print(json.dumps(_worker(S, B, method, args.reps)))
+        return 0
+
+    configs = [c for c in CONFIGS if not args.quick or c[0] <= 16384]
+    rows: list[tuple[int, int, dict[str, dict | str]]] = []
+    start = time.perf_counter()
+    for S, B in configs:
+        results: dict[str, dict | str] = {}
+        for method in METHODS:
+            reason = _skip_reason(S, B, method, args.eager_gb, args.compiled_s)
+            if reason:
+                results[method] = f"skipped: {reason}"
+                print(f"S={S} B={B} {method}: skipped ({reason})", flush=True)
+                continue
+            cmd = [sys.executable, __file__, "--worker", str(S), str(B), method]
+            cmd += ["--reps", str(_reps(S, B, method))]
+            # A fixed mmap threshold makes glibc hand freed large blocks back to the OS, so
+            # ru_maxrss tracks live memory instead of allocator fragmentation.
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode != 0:
+                results[method] = f"failed: {proc.stderr.strip().splitlines()[-1][:120]}"
+                print(f"S={S} B={B} {method}: {results[method]}", flush=True)
+                continue
+            r = json.loads(proc.stdout.strip().splitlines()[-1])
+            results[method] = r
+            print(
+                f"S={S} B={B} {method}: {_fmt_s(r['seconds'])} (first {_fmt_s(r['first'])}), "
+                f"peak {_fmt_bytes(r['peak'])}, rss +{_fmt_bytes(r['rss'])}",
+                flush=True,
+            )
+        rows.append((S, B, results))
+    elapsed = time.perf_counter() - start
+
+    table = _table(rows)
+    header = (
+        f"# BlockMask construction: flexpack vs create_block_mask\n\n"
+        f"- date: {datetime.date.today().isoformat()}\n"
+        f"- machine: 2-core CPU (shared, loaded), {platform.machine()}, torch "
+        f"{__import__('torch').__version__}, one intra-op thread\n"
+        f"- command: `python bench/block_mask.py{' --quick' if args.quick else ''}` "
+        f"({elapsed:.0f} s)\n"
+        f"- mask: document-causal, block_size 128; doc lengths lognormal (median 300, sigma 1)\n"
+        f"- time: median after a warm-up call (the compile, for compiled); ratios are "
+        f"create_block_mask time / flexpack time, measured in the same run\n"
+        f"- peak: high-water mark of live tensor bytes during one call (profiler allocation "
+        f"events); rss: ru_maxrss growth in a fresh subprocess (includes compiling)\n"
+        f"- size: the BlockMask's own tensors; `peak/size` is flexpack's peak over it\n"
+    )
+    text = header + "\n" + table
+    print()
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+def _cell_time(r) -> str:
+    return _fmt_s(r["seconds"]) if isinstance(r, dict) else "-"
+
+
+def _cell_ratio(r, fp) -> str:
+    if isinstance(r, dict) and isinstance(fp, dict):
+        return f"{r['seconds'] / fp['seconds']:.0f}x"
+    return "-"
+
+
+def _cell_mem(r) -> str:
+    return f"{_fmt_bytes(r['peak'])} ({_fmt_bytes(r['rss'])})" if isinstance(r, dict) else "-"
+
+
+def _table(rows) -> str:
+    lines = [
+        "| S | B | flexpack | eager | compiled | eager / flexpack | compiled / flexpack "
+        "| BlockMask size | flexpack peak (rss) | peak / size | eager peak (rss) "
+        "| compiled peak (rss) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    notes = []
+    for S, B, res in rows:
+        fp, eager, comp = res.get("flexpack"), res.get("eager"), res.get("compiled")
+        for method, r in res.items():
+            if isinstance(r, str):
+                notes.append(f"- {S // 1024}K, B={B}, {method}: {r}")
+        ok = isinstance(fp, dict)
+        size = _fmt_bytes(fp["size"]) if ok else "-"
+        per = f"{fp['peak'] / fp['size']:.2f}" if ok and fp["peak"] is not None else "-"
+        cells = [f"{S // 1024}K", str(B), _cell_time(fp), _cell_time(eager), _cell_time(comp)]
+        cells += [_cell_ratio(eager, fp), _cell_ratio(comp, fp), size, _cell_mem(fp), per]
+        cells += [_cell_mem(eager), _cell_mem(comp)]
+        lines.append("| " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "Skipped or failed:", *notes]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
