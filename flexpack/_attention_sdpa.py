@@ -72,6 +72,12 @@ def _tokens(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B * S, H, D)
 
 
+def _heads(x: Tensor) -> Tensor:
+    """(B, H, S, D) -> (H, B * S, D), head-major; a view when B == 1."""
+    B, H, S, D = x.shape
+    return x.transpose(0, 1).reshape(H, B * S, D)
+
+
 def _untokens(x: Tensor, B: int, S: int) -> Tensor:
     """(B * S, H, D) -> (B, H, S, D)."""
     return x.reshape(B, S, x.shape[1], x.shape[2]).transpose(1, 2)
@@ -110,7 +116,9 @@ def per_document_sdpa(
     T = groups.order.numel()
     within = torch.arange(T, device=q.device) - torch.repeat_interleave(before, lens_sorted)
     perm = groups.order[torch.repeat_interleave(starts_sorted, lens_sorted) + within]  # (T,)
-    qs, ks, vs = (_tokens(x).index_select(0, perm) for x in (q, k, v))  # (T, H, D)
+    # Head-major (H, B * S, D): free for B == 1, and every (document, head) block of the gathered
+    # tensor is a contiguous (L, D) matrix, the layout SDPA's CPU kernel is fastest on.
+    qs, ks, vs = (_heads(x).index_select(1, perm) for x in (q, k, v))  # (H, T, D)
 
     # One host sync for the run lengths, instead of one per document. One split per tensor (its
     # backward is a single cat; slicing per call would zero-fill a full-size gradient per call).
@@ -119,21 +127,21 @@ def per_document_sdpa(
     sizes = [length * count for length, count in runs]
     outs = []
     for (length, count), qd, kd, vd in zip(
-        runs, *(torch.split(x, sizes) for x in (qs, ks, vs)), strict=True
+        runs, *(torch.split(x, sizes, dim=1) for x in (qs, ks, vs)), strict=True
     ):
         qd, kd, vd = (
-            x.reshape(count, length, x.shape[1], D).transpose(1, 2) for x in (qd, kd, vd)
+            x.reshape(x.shape[0], count, length, D).transpose(0, 1) for x in (qd, kd, vd)
         )  # (n, H, L, D)
         od = F.scaled_dot_product_attention(
             qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=enable_gqa
         )
-        outs.append(od.transpose(1, 2).reshape(length * count, Hq, D))
-    out = q.new_zeros(B * S, Hq, D)
+        outs.append(od.transpose(0, 1).reshape(Hq, count * length, D))
+    out = q.new_zeros(Hq, B * S, D)
     if outs:
-        out = out.index_copy(0, perm, torch.cat(outs))
+        out = out.index_copy(1, perm, torch.cat(outs, dim=1))
     else:  # no real token at all: keep the graph so backward still runs (gradients are 0)
         out = out + 0.0 * (qs.sum() + ks.sum() + vs.sum())
-    return _untokens(out, B, S)
+    return out.reshape(Hq, B, S, D).transpose(0, 1)
 
 
 def dense_mask_from_mod(
