@@ -30,13 +30,15 @@ def test_rows_equal_the_global_plan(samples):
     packed = pack_dataset(ds, 48, batch_size=64)
     ref = pack([len(s) for s in samples], 48).materialize(samples)
     got = packed.with_format("torch")[:]
-    assert set(packed.column_names) == {"input_ids", "labels", "doc_ids", "position_ids"}
+    names = {"input_ids", "labels", "doc_ids", "position_ids", "num_tokens"}
+    assert set(packed.column_names) == names
+    assert torch.equal(got["num_tokens"], (ref.doc_ids >= 0).sum(1))
     assert torch.equal(got["input_ids"], ref.input_ids)
     assert torch.equal(got["labels"], ref.labels)
     assert torch.equal(got["doc_ids"], ref.doc_ids)
     assert torch.equal(got["position_ids"], ref.position_ids)
-    assert packed.features["doc_ids"].feature.dtype == "int32"  # torch format widens to int64
-    assert packed.features["input_ids"].feature.dtype == "int64"
+    assert packed.features["input_ids"].feature.dtype == "int32"  # stored narrow
+    assert got["input_ids"].dtype == torch.int64  # torch format widens
     batch = collate([packed.with_format("torch")[i] for i in range(3)])
     assert torch.equal(batch.input_ids, ref.input_ids[:3])
 

@@ -38,6 +38,7 @@ def test_global_plan_rows_match_materialize_and_errors(local_ray):
     for name in ("input_ids", "labels", "doc_ids", "position_ids"):
         got = torch.as_tensor(np.stack([r[name] for r in out]))
         assert torch.equal(got.long(), getattr(ref, name).long()), name
+    assert [r["num_tokens"] for r in out] == (ref.doc_ids >= 0).sum(1).tolist()
 
     with pytest.raises(ValueError, match="column 'tokens' is not in the dataset"):
         pack_ray_dataset(ds, 32, column="tokens")

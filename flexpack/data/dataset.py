@@ -9,7 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from flexpack.batch import PackedBatch
 from flexpack.data._common import as_source, check_choice, check_positive_int
+from flexpack.layout import PackedLayout
 
 _REMAINDERS = ("drop", "pad", "error")
 
@@ -191,7 +193,17 @@ class PackedDataset(torch.utils.data.Dataset):
         )
         tokens = dict(zip(need.tolist(), self._source.take(need), strict=True))
         fetched = _Fetched(len(self.lengths), tokens)
-        return [self.plan.materialize(fetched, [r], pad_id=self.pad_id) for r in rows]
+        batch = self.plan.materialize(fetched, rows, pad_id=self.pad_id)  # one gather for all
+        if len(rows) == 1:
+            return [batch]
+        return [
+            PackedBatch(
+                batch.input_ids[i : i + 1].clone(),
+                batch.labels[i : i + 1].clone(),
+                PackedLayout.from_doc_ids(batch.doc_ids[i : i + 1].clone()),
+            )
+            for i in range(len(rows))
+        ]
 
     def shard(self, rank: int, world_size: int, *, remainder: str = "drop") -> PackedDataset:
         """This rank's share of the rows: equal counts per rank, balanced tokens per step.

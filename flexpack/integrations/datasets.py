@@ -21,9 +21,9 @@ __all__ = ["pack_dataset"]
 _ROW = "__flexpack_row__"
 
 
-def _build_rows(
-    batch: dict[str, list[int]], *, source: HFSource, plan: Any, pad_id: int
-) -> dict[str, np.ndarray]:
+def _build_rows(batch: dict[str, list[int]], *, source: HFSource, plan: Any, pad_id: int) -> Any:
+    import pyarrow as pa
+
     from flexpack.data.dataset import _Fetched
 
     rows = np.asarray(batch[_ROW], dtype=np.int64)
@@ -31,12 +31,20 @@ def _build_rows(
     need = np.unique(np.concatenate([seg[off[r] : off[r + 1], 1] for r in rows]))
     fetched = _Fetched(len(plan.lengths), dict(zip(need.tolist(), source.take(need), strict=True)))
     out = plan.materialize(fetched, rows.tolist(), pad_id=pad_id)
-    return {
-        "input_ids": out.input_ids.numpy(),
-        "labels": out.labels.numpy(),
-        "doc_ids": out.doc_ids.numpy().astype(np.int32, copy=False),
-        "position_ids": out.position_ids.numpy(),
-    }
+    max_len = plan.max_len
+
+    def fixed(t: Any, typ: Any) -> Any:  # (R, S) tensor -> Arrow fixed_size_list, no Python lists
+        return pa.FixedSizeListArray.from_arrays(pa.array(t.numpy().ravel(), typ), max_len)
+
+    return pa.table(
+        {
+            "input_ids": fixed(out.input_ids, pa.int32()),
+            "labels": fixed(out.labels, pa.int32()),
+            "doc_ids": fixed(out.doc_ids, pa.int32()),
+            "position_ids": fixed(out.position_ids, pa.int32()),
+            "num_tokens": pa.array((out.doc_ids >= 0).sum(dim=1).numpy(), pa.int64()),
+        }
+    )
 
 
 def pack_dataset(
@@ -57,8 +65,10 @@ def pack_dataset(
     """Pack the token column of a ``datasets.Dataset`` into rows of ``max_len`` (global plan).
 
     The result has one example per packed row, every column of length ``max_len``:
-    ``input_ids`` int64 (``pad_id`` on padding), ``labels`` int64 (-100 on padding and on each
-    document's first token; unshifted), ``doc_ids`` int32 (-1 on padding), ``position_ids`` int64.
+    ``input_ids`` (``pad_id`` on padding), ``labels`` (-100 on padding and on each document's
+    first token; unshifted), ``doc_ids`` (-1 on padding), ``position_ids``, all stored as int32
+    (half the bytes; ``with_format("torch")`` returns int64 tensors, as ``PackedBatch`` has), and
+    ``num_tokens`` int64 (real tokens of the row, for ``DistributedPackedSampler``'s balance).
     ``with_format("torch")`` gives (B, max_len) tensors; ``flexpack.data.collate`` turns a list of
     its rows into a ``PackedBatch``. Other columns are not carried over.
 
@@ -121,13 +131,14 @@ def pack_dataset(
         folder = os.path.dirname(ds.cache_files[0]["filename"])
         cache_file_name = os.path.join(folder, f"flexpack-packed-{fingerprint}.arrow")
 
-    long = datasets.List(datasets.Value("int64"), length=max_len)
+    row = datasets.List(datasets.Value("int32"), length=max_len)
     features = datasets.Features(
         {
-            "input_ids": long,
-            "labels": long,
-            "doc_ids": datasets.List(datasets.Value("int32"), length=max_len),
-            "position_ids": long,
+            "input_ids": row,
+            "labels": row,
+            "doc_ids": row,
+            "position_ids": row,
+            "num_tokens": datasets.Value("int64"),
         }
     )
     rows = datasets.Dataset.from_dict({_ROW: np.arange(plan.num_rows, dtype=np.int64)})

@@ -60,6 +60,7 @@ def _assemble(group: dict[str, np.ndarray], *, max_len: int, pad_id: int) -> dic
         "labels": labels,
         "doc_ids": doc_ids,
         "position_ids": position_ids_of(doc_ids),
+        "num_tokens": (doc_ids >= 0).sum(axis=1).astype(np.int64),
     }
 
 
@@ -81,7 +82,8 @@ def pack_ray_dataset(
     the plan; the output order is not the row order, sort by it if order matters),
     ``input_ids`` (max_len,) int64, ``labels`` (max_len,) int64 (-100 on padding and on each
     document's first token), ``doc_ids`` (max_len,) int32 (-1 on padding), ``position_ids``
-    (max_len,) int64. Rows equal ``flexpack.pack(lengths, max_len, ...).materialize(samples)``.
+    (max_len,) int64, ``num_tokens`` int64 (real tokens of the row). Rows equal
+    ``flexpack.pack(lengths, max_len, ...).materialize(samples)``.
 
     Args:
         ds: a ``ray.data.Dataset`` whose ``column`` holds token-id lists; N samples, in the
