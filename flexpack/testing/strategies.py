@@ -327,8 +327,8 @@ def masks(
     """Random flexpack masks over ``doc_ids``: factories composed with ``&``, ``|`` and ``~``.
 
     Leaves are drawn from ``causal()``, ``document(doc_ids)``, ``document(doc_ids) & causal()``,
-    ``padding(doc_ids)``, ``sliding_window(w)`` and, when doc_ids are contiguous,
-    ``prefix_lm(doc_ids, p)`` with ``p`` drawn by :func:`prefix_lengths`.
+    ``padding(doc_ids)``, ``sliding_window(w)`` and, when doc_ids are contiguous and hold at
+    least one document, ``prefix_lm(doc_ids, p)`` with ``p`` drawn by :func:`prefix_lengths`.
 
     Args:
         doc_ids: (S,) or (B, S) integer doc ids, negative for padding.
@@ -354,14 +354,16 @@ def masks(
         raise ValueError(f"masks expected doc_ids of shape (S,) or (B, S), got {got}.")
     S = int(doc_ids.shape[-1])
     all_kinds = ["causal", "document", "document_causal", "padding", "sliding_window"]
-    if _is_contiguous(doc_ids):
+    if _is_contiguous(doc_ids) and bool((doc_ids >= 0).any()):
         all_kinds.append("prefix_lm")
     if kinds is not None:
         unknown = set(kinds) - {*all_kinds, "prefix_lm"}
         if unknown:
             raise ValueError(f"masks got unknown kinds {sorted(unknown)}; expected {all_kinds}.")
         if "prefix_lm" in kinds and "prefix_lm" not in all_kinds:
-            raise ValueError("masks can only draw prefix_lm over contiguous doc_ids.")
+            raise ValueError(
+                "masks can only draw prefix_lm over contiguous doc_ids with a document."
+            )
         all_kinds = [k for k in all_kinds if k in kinds]
     window_cap = S if max_window is None else max_window
 
