@@ -189,13 +189,16 @@ def test_sampler_balances_tokens_per_step():
     assert spread < naive_spread / 10
 
 
-def test_dataloader_with_sampler_and_collate():
+@pytest.mark.parametrize("workers", [0, 2])
+def test_dataloader_with_sampler_and_collate(workers):
     samples = make_samples(80, 16, seed=5)
     ds = PackedDataset(samples, 16)
     docs = []
     for rank in range(2):
         sampler = DistributedPackedSampler(ds, num_replicas=2, rank=rank, remainder="pad")
-        loader = torch.utils.data.DataLoader(ds, batch_size=3, sampler=sampler, collate_fn=collate)
+        loader = torch.utils.data.DataLoader(
+            ds, batch_size=3, sampler=sampler, collate_fn=collate, num_workers=workers
+        )
         for batch in loader:
             assert batch.input_ids.shape[1] == 16 and batch.input_ids.shape[0] <= 3
             docs += docs_of(batch.input_ids, batch.doc_ids)

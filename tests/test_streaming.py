@@ -198,8 +198,10 @@ def test_bad_input_errors():
         list(PackedIterableDataset(["a sentence"], 8))
     with pytest.raises(ValueError, match="no column 'input_ids'"):
         list(PackedIterableDataset([{"tokens": [1, 2]}], 8, column="input_ids"))
-    rows = list(PackedIterableDataset([{"input_ids": [1, 2]}], 8, column="input_ids"))
+    rows = list(PackedIterableDataset([{"input_ids": [1, 2]}], 8))  # the default key
     assert rows[0].input_ids[0, :2].tolist() == [1, 2]
+    with pytest.raises(TypeError, match="column="):
+        list(PackedIterableDataset([{"tokens": [1, 2]}], 8))
     ds = PackedIterableDataset([[1, 2]], 8, buffer_size=4)
     with pytest.raises(ValueError, match="buffer_size=2"):
         ds.load_state_dict(PackedIterableDataset([[1, 2]], 8, buffer_size=2).state_dict())
@@ -207,3 +209,14 @@ def test_bad_input_errors():
     ds.load_state_dict(state)
     with pytest.raises(ValueError, match="reader 1 of 2"):
         list(ds)
+
+
+def test_hf_dataset_as_stream_two_ranks():
+    datasets = pytest.importorskip("datasets")
+    samples = make_samples(40, 16, seed=8)
+    hf = datasets.Dataset.from_dict({"input_ids": samples, "text": ["t"] * 40})
+    docs = []
+    for rank in range(2):
+        ds = PackedIterableDataset(hf, 16, buffer_size=4, rank=rank, world_size=2)
+        docs += [d for r in ds for d in docs_of(r.input_ids, r.doc_ids)]
+    assert Counter(docs) == Counter(tuple(s) for s in samples)

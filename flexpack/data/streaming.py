@@ -61,7 +61,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         iterable: re-iterable of token sequences (or of dicts, with ``column``).
         max_len: row length S.
         buffer_size: samples held for best fit ("bfd"); must be >= 1.
-        column: key of the token ids when the stream yields dicts.
+        column: key of the token ids when the stream yields dicts (default ``"input_ids"``).
         rank, world_size: this process's data-parallel rank / world size.
 
     Raises:
@@ -135,7 +135,9 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             yield from zip(itertools.count(start), stream, strict=False)
 
     def _tokens(self, k: int, sample: Any, g: int, n: int) -> Any:
-        if self.column is not None:
+        if self.column is None and isinstance(sample, Mapping) and "input_ids" in sample:
+            sample = sample["input_ids"]  # rows of a datasets.Dataset / tokenizer output
+        elif self.column is not None:
             if not isinstance(sample, Mapping) or self.column not in sample:
                 keys = list(sample) if isinstance(sample, Mapping) else type(sample).__name__
                 raise ValueError(
