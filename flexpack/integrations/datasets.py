@@ -28,7 +28,9 @@ def _build_rows(batch: dict[str, list[int]], *, source: HFSource, plan: Any, pad
 
     rows = np.asarray(batch[_ROW], dtype=np.int64)
     seg, off = plan.segments, plan.row_offsets
-    need = np.unique(np.concatenate([seg[off[r] : off[r + 1], 1] for r in rows]))
+    parts = [seg[off[r] : off[r + 1]] for r in rows]
+    need = np.unique(np.concatenate([p[:, 1] for p in parts]))
+    num_tokens = np.array([int((p[:, 3] - p[:, 2]).sum()) for p in parts], dtype=np.int64)
     fetched = _Fetched(len(plan.lengths), dict(zip(need.tolist(), source.take(need), strict=True)))
     out = plan.materialize(fetched, rows.tolist(), pad_id=pad_id)
     max_len = plan.max_len
@@ -42,7 +44,7 @@ def _build_rows(batch: dict[str, list[int]], *, source: HFSource, plan: Any, pad
             "labels": fixed(out.labels, pa.int32()),
             "doc_ids": fixed(out.doc_ids, pa.int32()),
             "position_ids": fixed(out.position_ids, pa.int32()),
-            "num_tokens": pa.array((out.doc_ids >= 0).sum(dim=1).numpy(), pa.int64()),
+            "num_tokens": pa.array(num_tokens, pa.int64()),
         }
     )
 
