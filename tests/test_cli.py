@@ -129,3 +129,18 @@ def test_demo_still_delegates(tmp_path, monkeypatch):
     monkeypatch.setattr("flexpack.demo.main", lambda *, out: calls.append(out) or 0)
     assert main(["demo", "--out", str(tmp_path)]) == 0
     assert calls == [str(tmp_path)]
+
+
+def test_docs_commands_run(tmp_path, monkeypatch, capsys):
+    """The `$ flexpack ...` lines of docs/packing.md run as written."""
+    import shlex
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "packing.md"
+    commands = [ln[2:] for ln in docs.read_text().splitlines() if ln.startswith("$ flexpack ")]
+    assert len(commands) >= 3
+    _write_jsonl(tmp_path / "data.jsonl", _samples(n=100, longest=64))
+    monkeypatch.chdir(tmp_path)
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, command
+    assert (tmp_path / "packed.parquet").exists() and (tmp_path / "fill.png").exists()

@@ -196,3 +196,15 @@ def test_large_random_is_lossless(overflow):
         assert s.placed + s.truncated + s.dropped == s.tokens == lengths.sum()
         assert fill.sum() == s.placed
         assert plan.num_rows >= math.ceil(s.placed / 512)
+
+
+def test_docs_examples():
+    """Every `>>>` example in docs/packing.md runs and prints what the page says."""
+    import doctest
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "packing.md"
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testfile(str(docs), module_relative=False, optionflags=flags)
+    assert result.attempted > 10
+    assert result.failed == 0
