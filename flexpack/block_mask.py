@@ -188,11 +188,22 @@ def _nonempty_generic(doc_ids: Tensor, block_size: int) -> Tensor:
     starts = torch.cumsum(sizes, 0) - sizes
     size_of = torch.repeat_interleave(sizes, sizes)  # group size of every triple
     start_of = torch.repeat_interleave(starts, sizes)  # group start of every triple
-    left = torch.repeat_interleave(torch.arange(key.numel(), device=device), size_of)
-    first_copy = torch.cumsum(size_of, 0) - size_of
-    k = torch.arange(left.numel(), device=device) - torch.repeat_interleave(first_copy, size_of)
-    right = start_of[left] + k
-    out[(row[left] * nb + blk[left]) * nb + blk[right]] = True
+    flat_left = row * nb + blk  # (row, q block) of every triple, pre-multiplied
+    # Triple t pairs with the size_of[t] members of its group. Layouts where many ids span many
+    # blocks make that up to bs times the block matrix, so the pairs go in bounded steps.
+    ends = torch.cumsum(size_of, 0)
+    bounds = torch.searchsorted(ends, torch.arange(1, int(ends[-1]) // _PAIRS + 2) * _PAIRS)
+    lo = 0
+    for hi in [*bounds.tolist(), key.numel()]:
+        hi = max(hi, lo + 1)
+        if lo >= key.numel():
+            break
+        n = size_of[lo:hi]
+        left = torch.repeat_interleave(torch.arange(lo, hi, device=device), n)
+        first = torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+        right = start_of[left] + torch.arange(left.numel(), device=device) - first
+        out[flat_left[left] * nb + blk[right]] = True
+        lo = hi
     return out.view(B, nb, nb)
 
 
@@ -341,6 +352,7 @@ def combine_not(classes: Tensor) -> Tensor:
     return FULL - classes
 
 
+_PAIRS = 1 << 20  # block pairs per step of _nonempty_generic (~40 MB of temporaries)
 _CHUNK = 1 << 18  # block-matrix entries per step of _ordered: bounds its temporaries (~4 MB)
 
 

@@ -209,3 +209,12 @@ def test_block_mask_expands_batch_and_demotes_tail() -> None:
     assert bm.full_kv_num_blocks[0, 0].tolist() == [0, 1, 0]
     c = bmod.classify_causal(10, 10, 4)
     assert c[0, 2, 2].item() == bmod.PARTIAL and c[0, 2, 0].item() == bmod.FULL
+
+
+def test_generic_ids_in_bounded_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every id in every block: pair enumeration is bs times the block matrix, done in steps.
+    monkeypatch.setattr(bmod, "_PAIRS", 7)
+    rng = random.Random(11)
+    for d in (torch.arange(40)[None] % 4, _layout(2, 33, rng, arbitrary=True)):
+        m = masks.document(d)
+        _assert_identical(m.block_mask(block_size=4), _reference(m, 4))
