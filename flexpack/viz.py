@@ -118,6 +118,10 @@ def plot_block_mask(
         bbox_to_anchor=(1.02, 1.0),
         frameon=False,
     )
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("kv block")
     ax.set_ylabel("q block")
     bq, bkv = block_mask.BLOCK_SIZE
