@@ -50,7 +50,7 @@ def main() -> None:
     }
     for name, mask in examples.items():
         plot_mask(mask, IMG / f"{name}.png", block_size=16)
-        if name in ("document_causal", "composition"):
+        if name == "document_causal":
             bm = mask.block_mask(block_size=16, Q_LEN=S, KV_LEN=S)
             plot_block_mask(bm, IMG / f"{name}_blocks.png")
     row = realistic_row()
