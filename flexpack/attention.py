@@ -2,16 +2,16 @@
 
 One call picks the path that can run the mask on the inputs' device:
 
-========  =====================  ===============================================================
-device    needs grad             path (``backend="auto"``)
-========  =====================  ===============================================================
-CUDA      any                    document / document_causal masks in fp16/bf16: torch's varlen
-                                 FlashAttention; causal alone: SDPA ``is_causal``; else compiled
-                                 flex_attention
-CPU       no                     compiled flex_attention at fixed shapes
-CPU       yes                    SDPA: per document for document / document_causal masks, with a
-                                 dense mask for any other composition (flex has no CPU backward)
-========  =====================  ===============================================================
+========  ==========================================================================
+device    path (``backend="auto"``)
+========  ==========================================================================
+CUDA      document / document_causal masks in fp16/bf16: torch's varlen FlashAttention;
+          causal alone: SDPA ``is_causal``; any other mask: compiled flex_attention
+CPU       document / document_causal masks: SDPA per document (measured 2x faster than
+          compiled flex in the forward, and flex has no CPU backward); causal alone: SDPA
+          ``is_causal``; other masks: compiled flex_attention at fixed shapes without
+          grad, SDPA with a dense mask with grad
+========  ==========================================================================
 
 Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
 a query with no allowed key (padding) gets 0, never NaN, in the output and in the gradients.
@@ -194,6 +194,9 @@ def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str)
         if spec.kind == "causal":
             return "sdpa_causal"
         return "flex"
+    if per_document or spec.kind == "causal":
+        # On CPU, SDPA per document beats compiled flex even without grad (bench/attention.py).
+        return sdpa_path()
     if q.device.type == "cpu" and not grad:
         return "flex"
     return sdpa_path()
@@ -233,9 +236,10 @@ def attention(
         scale: softmax scale; default ``1 / sqrt(D)``.
         enable_gqa: allow Hkv < Hq (grouped-query attention).
         backend: "auto" (default) picks the fastest path that supports the mask, device and
-            whether a backward is needed (see the module docstring). "flex": compiled
-            flex_attention, compiled once per (device, dtype) and shape, never recompiled for a
-            new document layout. "varlen": torch's FlashAttention varlen kernel
+            whether a backward is needed (see the module docstring; on CPU without grad, masks
+            other than document / causal compile flex_attention once per shape: seconds).
+            "flex": compiled flex_attention, compiled once per (device, dtype) and shape, never
+            recompiled for a new document layout. "varlen": torch's FlashAttention varlen kernel
             (``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, document and
             document_causal masks). "sdpa": ``scaled_dot_product_attention`` per document for
             document masks, with a dense (B, 1, S, S) mask otherwise; any device, with backward.

@@ -8,6 +8,7 @@ its output written back at its tokens; padding gets 0. Compositions without a pe
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -213,13 +214,17 @@ def test_dispatch_on_cpu():
     spec = _mask_spec(mask, q)
     assert _choose_path(q, k, v, spec, "auto") == "sdpa_document"
     assert _choose_path(q, k, v, spec, "sdpa") == "sdpa_document"
-    with torch.no_grad():
-        assert _choose_path(q, k, v, spec, "auto") == "flex"  # compiled flex at fixed shapes
-    qd, kd, vd = (x.detach() for x in (q, k, v))
-    assert _choose_path(qd, kd, vd, spec, "auto") == "flex"
-    assert _choose_path(qd, kd, vd, spec, "sdpa") == "sdpa_document"
+    with torch.no_grad():  # per-document SDPA beats compiled flex on CPU even without grad
+        assert _choose_path(q, k, v, spec, "auto") == "sdpa_document"
+        assert _choose_path(q, k, v, spec, "flex") == "flex"
     causal_spec = _mask_spec(masks.causal(), q)
     assert _choose_path(q, k, v, causal_spec, "auto") == "sdpa_causal"
+    # Other masks: compiled flex without grad (block sparsity), dense SDPA with grad.
+    window_spec = _mask_spec(mask & masks.sliding_window(3), q)
+    assert _choose_path(q, k, v, window_spec, "auto") == "sdpa_dense"
+    qd, kd, vd = (x.detach() for x in (q, k, v))
+    assert _choose_path(qd, kd, vd, window_spec, "auto") == "flex"
+    assert _choose_path(qd, kd, vd, window_spec, "sdpa") == "sdpa_dense"
 
 
 def test_backend_errors_name_the_fix():
@@ -287,8 +292,7 @@ def test_compiled_flex_matches_reference_without_recompiling_for_new_layouts():
         for seed in range(3):
             doc_ids = _random_layout(seed)
             block_mask = flexpack.document_causal_mask(doc_ids)
-            assert _choose_path(q, k, v, _mask_spec(block_mask, q), "auto") == "flex"
-            out = flexpack.attention(q, k, v, block_mask)
+            out = flexpack.attention(q, k, v, block_mask, backend="flex")
             want = per_document_reference(q, k, v, doc_ids, causal=True)
             assert rel_err(out, want) < 1e-5
             assert (out.transpose(1, 2)[doc_ids < 0] == 0).all()
@@ -309,4 +313,52 @@ def test_recompile_limit_raises_instead_of_running_eagerly():
         with pytest.raises(RecompileLimitError, match=r"recompile_limit=1.*Fix: feed rows"):
             for S in (40, 48):
                 q = torch.randn(1, 1, S, 8)
-                flexpack.attention(q, q, q, masks.document(torch.zeros(1, S, dtype=torch.int32)))
+                mask = masks.document(torch.zeros(1, S, dtype=torch.int32))
+                flexpack.attention(q, q, q, mask, backend="flex")
+
+
+# ----------------------------------------------------------------------------- bench/gpu.py
+# The GPU benchmark cannot run in CI (no GPU): its --dry-run runs the same code on CPU.
+
+
+def _load_gpu_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("flexpack_bench_gpu", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bench_targets_compare_the_right_numbers():
+    gpu = _load_gpu_bench()
+    R = gpu.Result
+    results = [
+        R(8192, "flexpack flex", fwd=1.0, fwd_bwd=3.0),
+        R(8192, "flexpack auto", fwd=0.9, fwd_bwd=2.9),
+        R(8192, "varlen_attn", fwd=0.9, fwd_bwd=2.8),  # bwd: 1.9 vs flex 2.0
+        R(8192, "SDPA + dense mask", note="skipped"),
+        R(8192, "SDPA causal (no doc mask)", fwd=0.1, fwd_bwd=0.2),  # not exact: never "best"
+    ]
+    got = {name: (round(value, 3), ok) for _, name, value, _, ok in gpu.targets(results)}
+    assert got == {
+        "flex fwd / varlen fwd": (0.9, True),
+        "flex bwd / varlen bwd": (0.95, True),
+        "auto fwd / best exact": (1.0, True),
+        "auto fwd+bwd / best exact": (round(2.8 / 2.9, 3), False),
+    }
+
+
+@pytest.mark.compile
+def test_gpu_bench_dry_run_runs_on_cpu(capsys):
+    gpu = _load_gpu_bench()
+    assert gpu.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "Correctness: 7/7 checks passed" in out
+    assert (
+        "| 256 | flexpack auto |" in out
+        and "| 256 | varlen_attn | — | — | — | — | CUDA only |" in out
+    )
