@@ -324,3 +324,60 @@ def emit_segments(row_of, new_row, num_rows, sample, start, stop):
         segments[j, 2] = start[k]
         segments[j, 3] = stop[k]
     return segments, per_row
+
+
+@njit(cache=True, nogil=True)
+def assemble_rows(
+    segments, num_docs, max_len, flat_ids, flat_labels, seg_source, pad_id, with_tokens
+):
+    """Write packed rows in one pass over the segments.
+
+    segments: (m, 4) int64 (row, sample, start, stop), rows 0..R-1 in order; num_docs: (R,)
+    segments per row. With ``with_tokens``, token t of segment j is ``flat_ids[seg_source[j] +
+    start + t]`` (labels likewise from ``flat_labels`` when it is non-empty, else the ids).
+    Returns flat (R * max_len,) input_ids, labels (both empty without tokens), doc_ids (int32),
+    position_ids, and indices (T,) of the real tokens.
+    """
+    num_rows = num_docs.shape[0]
+    m = segments.shape[0]
+    total = 0
+    for j in range(m):
+        total += segments[j, 3] - segments[j, 2]
+    size = num_rows * max_len
+    doc_ids = np.full(size, -1, np.int32)
+    position_ids = np.zeros(size, np.int64)
+    indices = np.empty(total, np.int64)
+    with_labels = flat_labels.shape[0] > 0
+    if with_tokens:
+        input_ids = np.full(size, pad_id, np.int64)
+        labels = np.full(size, -100, np.int64)
+    else:
+        input_ids = np.empty(0, np.int64)
+        labels = np.empty(0, np.int64)
+    j = 0
+    t = 0
+    for r in range(num_rows):
+        col = r * max_len
+        for d in range(num_docs[r]):
+            start = segments[j, 2]
+            n = segments[j, 3] - start
+            for k in range(n):
+                p = col + k
+                doc_ids[p] = d
+                position_ids[p] = k
+                indices[t] = p
+                t += 1
+            if with_tokens and n > 0:
+                src = seg_source[j] + start
+                for k in range(n):
+                    input_ids[col + k] = flat_ids[src + k]
+                if with_labels:
+                    for k in range(1, n):
+                        labels[col + k] = flat_labels[src + k]
+                else:
+                    for k in range(1, n):
+                        labels[col + k] = flat_ids[src + k]
+                # labels[col] stays -100: a document's first token is never predicted
+            col += n
+            j += 1
+    return input_ids, labels, doc_ids, position_ids, indices

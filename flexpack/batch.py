@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flexpack.layout import PackedLayout, _placement
+from flexpack.layout import PackedLayout
 
 if TYPE_CHECKING:
     from flexpack.packing import PackPlan
@@ -244,22 +244,27 @@ def _assemble(
     """Rows from a flat token array: segment j's sample starts at ``flat_ids[seg_source[j]]``.
 
     seg: (m, 4) int64 with rows 0..R-1; num_docs: (R,) segments per row; flat_labels: same
-    shape as flat_ids, or None to use the ids themselves."""
-    num_rows = num_docs.shape[0]
-    seqlens = seg[:, 3] - seg[:, 2]
-    p = _placement(seqlens, num_docs, max_len)
-    src = np.repeat(seg_source + seg[:, 2], seqlens) + p.offset_in_doc
+    shape as flat_ids, or None to use the ids themselves. One compiled pass writes every tensor.
+    """
+    from flexpack import _kernels
 
-    input_ids = np.full(num_rows * max_len, pad_id, dtype=np.int64)
-    input_ids[p.dest] = flat_ids[src]
-    labels = np.full(num_rows * max_len, IGNORE_INDEX, dtype=np.int64)
-    labels[p.dest] = input_ids[p.dest] if flat_labels is None else flat_labels[src]
-    labels[p.doc_row * max_len + p.doc_col] = IGNORE_INDEX
-
-    layout = PackedLayout._from_placement(seqlens, num_docs, max_len, placement=p)
+    no_labels = np.zeros(0, dtype=np.int64)
+    input_ids, labels, doc_ids, position_ids, indices = _kernels.assemble_rows(
+        seg,
+        num_docs.astype(np.int64, copy=False),
+        max_len,
+        flat_ids.astype(np.int64, copy=False),
+        no_labels if flat_labels is None else flat_labels.astype(np.int64, copy=False),
+        seg_source.astype(np.int64, copy=False),
+        pad_id,
+        True,
+    )
+    layout = PackedLayout._from_parts(
+        doc_ids, position_ids, seg[:, 3] - seg[:, 2], num_docs, indices, max_len
+    )
     return PackedBatch(
-        torch.from_numpy(input_ids.reshape(num_rows, max_len)),
-        torch.from_numpy(labels.reshape(num_rows, max_len)),
+        torch.from_numpy(input_ids.reshape(-1, max_len)),
+        torch.from_numpy(labels.reshape(-1, max_len)),
         layout,
     )
 

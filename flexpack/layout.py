@@ -36,17 +36,14 @@ __all__ = ["PackedLayout"]
 class _Placement(NamedTuple):
     """Where the documents of rows built from per-row seqlens land (all numpy, int64)."""
 
-    doc_row: np.ndarray  # (N,) row of each document
     doc_local: np.ndarray  # (N,) index of the document within its row
-    doc_col: np.ndarray  # (N,) column of its first token
-    doc_first_token: np.ndarray  # (N,) exclusive cumsum of seqlens: its offset in the token stream
     dest: np.ndarray  # (T,) flat (B * S,) position of every real token, ascending
     offset_in_doc: np.ndarray  # (T,) position of every real token within its document
 
 
 def _placement(seqlens: np.ndarray, num_docs: np.ndarray, max_len: int) -> _Placement:
-    """Index arithmetic shared by ``from_seqlens`` and ``PackPlan.materialize``: no Python loop
-    over documents or tokens. seqlens (N,) >= 1, num_docs (B,) with sum N; rows must fit."""
+    """Index arithmetic for ``from_seqlens``: no Python loop over documents or tokens.
+    seqlens (N,) >= 1, num_docs (B,) with sum N; rows must fit."""
     num_rows = num_docs.shape[0]
     n = seqlens.shape[0]
     doc_row = np.repeat(np.arange(num_rows, dtype=np.int64), num_docs)
@@ -61,7 +58,7 @@ def _placement(seqlens: np.ndarray, num_docs: np.ndarray, max_len: int) -> _Plac
     total = int(csum[-1]) if n else 0
     offset_in_doc = np.arange(total, dtype=np.int64) - np.repeat(doc_first_token, seqlens)
     dest = np.repeat(doc_row * max_len + doc_col, seqlens) + offset_in_doc
-    return _Placement(doc_row, doc_local, doc_col, doc_first_token, dest, offset_in_doc)
+    return _Placement(doc_local, dest, offset_in_doc)
 
 
 def _as_int_tensor(x, name: str) -> Tensor:
@@ -191,16 +188,36 @@ class PackedLayout:
         num_docs: np.ndarray,
         max_len: int,
         *,
-        placement: _Placement | None = None,
         device: torch.device | str | None = None,
     ) -> PackedLayout:
         """Fast path for validated input: builds doc_ids and fills the view caches at once."""
-        p = placement if placement is not None else _placement(seqlens, num_docs, max_len)
+        p = _placement(seqlens, num_docs, max_len)
         num_rows = num_docs.shape[0]
         doc_ids = np.full(num_rows * max_len, -1, dtype=np.int32)
         doc_ids[p.dest] = np.repeat(p.doc_local, seqlens)
         position_ids = np.zeros(num_rows * max_len, dtype=np.int64)
         position_ids[p.dest] = p.offset_in_doc
+        return cls._from_parts(
+            doc_ids, position_ids, seqlens, num_docs, p.dest, max_len, device=device
+        )
+
+    @classmethod
+    def _from_parts(
+        cls,
+        doc_ids: np.ndarray,
+        position_ids: np.ndarray,
+        seqlens: np.ndarray,
+        num_docs: np.ndarray,
+        indices: np.ndarray,
+        max_len: int,
+        *,
+        device: torch.device | str | None = None,
+    ) -> PackedLayout:
+        """A layout whose views were computed together (flat numpy arrays): no recomputation.
+
+        doc_ids (B * S,) int32, position_ids (B * S,) int64, seqlens (N,), num_docs (B,),
+        indices (T,) int64 must describe the same canonical layout."""
+        num_rows = num_docs.shape[0]
         cu = np.zeros(seqlens.shape[0] + 1, dtype=np.int32)
         np.cumsum(seqlens, out=cu[1:])
 
@@ -213,7 +230,7 @@ class PackedLayout:
         cache["position_ids"] = t(position_ids.reshape(num_rows, max_len))
         cache["seqlens"] = t(seqlens.astype(np.int32))
         cache["cu_seqlens"] = t(cu)
-        cache["indices"] = t(p.dest)
+        cache["indices"] = t(indices)
         cache["num_docs"] = t(num_docs.astype(np.int64, copy=True))
         cache["max_seqlen"] = int(seqlens.max()) if seqlens.size else 0
         return layout

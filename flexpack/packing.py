@@ -182,8 +182,16 @@ class PackPlan:
             >>> pack([3, 5, 2, 4], max_len=8, seed=None).layout([1]).doc_ids
             tensor([[ 0,  0,  1,  1,  1,  1, -1, -1]], dtype=torch.int32)
         """
+        from flexpack import _kernels
+
         seg, num_docs = self._select(rows)
-        return PackedLayout._from_placement(seg[:, 3] - seg[:, 2], num_docs, self.max_len)
+        empty = np.zeros(0, dtype=np.int64)
+        _, _, doc_ids, position_ids, indices = _kernels.assemble_rows(
+            seg, num_docs, self.max_len, empty, empty, empty, 0, False
+        )
+        return PackedLayout._from_parts(
+            doc_ids, position_ids, seg[:, 3] - seg[:, 2], num_docs, indices, self.max_len
+        )
 
     def materialize(
         self,
