@@ -15,8 +15,10 @@ import argparse
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -121,59 +123,57 @@ def part_hf(n: int) -> dict:
     return out
 
 
-def part_scale(n: int, plan_n: int) -> dict:
-    """pack_dataset from a disk-backed source to disk: RSS against the bytes that went through;
-    and the RAM part of a plan (lengths + pack) at plan_n samples."""
-    import shutil
-    import tempfile
-
+def part_scale_source(n: int, folder: str) -> dict:
+    """Write the disk-backed source of the scale part (its own process: not in its peak RSS)."""
     import datasets
     import pyarrow as pa
 
-    from flexpack import pack
+    lengths = lognormal_lengths(n, seed=3)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    values = pa.array((np.arange(offsets[-1]) % 50000).astype(np.int32))
+    col = pa.LargeListArray.from_arrays(pa.array(offsets), values).cast(pa.list_(pa.int32()))
+    datasets.Dataset(pa.table({"input_ids": col})).save_to_disk(folder)
+    return {"samples": n, "source_mb": int(offsets[-1]) * 4 / 2**20}
+
+
+def part_scale(folder: str) -> dict:
+    """pack_dataset from a disk-backed source to disk: RSS against the bytes that went through."""
+    import datasets
+
     from flexpack.integrations.datasets import pack_dataset
 
     datasets.disable_progress_bars()
-    tmp = tempfile.mkdtemp(prefix="flexpack-bench-")
-    try:
-        lengths = lognormal_lengths(n, seed=3)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        values = pa.array((np.arange(offsets[-1]) % 50000).astype(np.int32))
-        col = pa.LargeListArray.from_arrays(pa.array(offsets), values).cast(pa.list_(pa.int32()))
-        datasets.Dataset(pa.table({"input_ids": col})).save_to_disk(f"{tmp}/src")
-        del col, values
-        import gc
+    src = datasets.load_from_disk(folder)
+    base = rss_mb()
+    t = time.perf_counter()
+    packed = pack_dataset(src, MAX_LEN, batch_size=64)
+    s = time.perf_counter() - t
+    out_bytes = sum(os.path.getsize(f["filename"]) for f in packed.cache_files)
+    return {
+        "rows": len(packed),
+        "output_mb": out_bytes / 2**20,
+        "s": s,
+        "rss_before_mb": base,
+        "rss_after_mb": rss_mb(),
+    }
 
-        gc.collect()
-        src = datasets.load_from_disk(f"{tmp}/src")
-        base = rss_mb()
-        t = time.perf_counter()
-        packed = pack_dataset(src, MAX_LEN, batch_size=64)
-        s = time.perf_counter() - t
-        out_bytes = sum(os.path.getsize(f["filename"]) for f in packed.cache_files)
-        after = rss_mb()
-        big = lognormal_lengths(plan_n, seed=4)
-        before_plan = rss_mb()
-        t = time.perf_counter()
-        plan = pack(big, MAX_LEN)
-        plan_s = time.perf_counter() - t
-        return {
-            "samples": n,
-            "source_mb": int(offsets[-1]) * 4 / 2**20,
-            "output_mb": out_bytes / 2**20,
-            "rows": len(packed),
-            "s": s,
-            "rss_before_mb": base,
-            "rss_after_mb": after,
-            "plan_samples": plan_n,
-            "plan_s": plan_s,
-            "plan_rss_before_mb": before_plan,
-            "plan_rss_after_mb": rss_mb(),
-            "plan_rows": plan.num_rows,
-        }
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+def part_plan(n: int) -> dict:
+    """The RAM part of a pack_dataset at scale: lengths + one global plan."""
+    from flexpack import pack
+
+    base = rss_mb()
+    lengths = lognormal_lengths(n, seed=4)
+    t = time.perf_counter()
+    plan = pack(lengths, MAX_LEN)
+    return {
+        "samples": n,
+        "s": time.perf_counter() - t,
+        "rows": plan.num_rows,
+        "rss_before_mb": base,
+        "rss_after_mb": rss_mb(),
+    }
 
 
 def part_stream(n: int, e2e: int) -> dict:
@@ -228,7 +228,8 @@ def run_child(args: list[str]) -> dict:
 
 
 def write_markdown(results: dict, cmd: str, path: str) -> None:
-    d, h, s, c = results["dataset"], results["hf"], results["stream"], results["scale"]
+    d, h, s = results["dataset"], results["hf"], results["stream"]
+    c, p = {**results["scale_source"], **results["scale"]}, results["plan"]
     lines = [
         "# Data pipeline benchmark",
         "",
@@ -242,7 +243,7 @@ def write_markdown(results: dict, cmd: str, path: str) -> None:
         "|---|---|",
         f"| plan (lengths from Arrow offsets + bfd pack) | {d['plan_s']:.2f} s, "
         f"{d['plan_samples_per_s']:,.0f} samples/s, {d['rows']:,} rows, "
-        f"efficiency {d['efficiency']:.4f} |",
+        f"efficiency {d['efficiency']:.5f} |",
         f"| DistributedPackedSampler, 8 ranks, one epoch order | {d['shard_s'] * 1e3:.0f} ms, "
         f"{d['rows_per_rank']:,} rows per rank |",
         f"| read {d['rows_read']:,} random rows (batches of 8) | "
@@ -278,18 +279,18 @@ def write_markdown(results: dict, cmd: str, path: str) -> None:
         "",
         f"## Bounded memory: pack_dataset from disk to disk ({c['samples']:,} samples)",
         "",
-        f"Source {c['source_mb']:.0f} MB of int32 tokens (load_from_disk, memory-mapped), output "
-        f"{c['output_mb']:.0f} MB ({c['rows']:,} padded rows, cache files next to the source) in "
-        f"{c['s']:.1f} s. RSS {c['rss_before_mb']:.0f} MB before, {c['rss_after_mb']:.0f} MB "
-        f"after, peak {c['peak_rss_mb']:.0f} MB for the whole part (resident pages of the "
-        "memory-mapped files count in RSS but are reclaimable page cache).",
+        f"Source {c['source_mb']:.0f} MB of int32 tokens (written by another process, then "
+        f"load_from_disk: memory-mapped), output {c['output_mb']:.0f} MB ({c['rows']:,} padded "
+        f"rows, cache files next to the source) in {c['s']:.1f} s. RSS {c['rss_before_mb']:.0f} "
+        f"MB before packing, {c['rss_after_mb']:.0f} MB after, peak {c['peak_rss_mb']:.0f} MB "
+        "(pages of the memory-mapped files count in RSS while touched, as reclaimable page cache).",
         "",
-        f"RAM part at scale: lengths + `pack` of {c['plan_samples']:,} samples took "
-        f"{c['plan_s']:.1f} s and {c['plan_rss_after_mb'] - c['plan_rss_before_mb']:.0f} MB "
-        f"({c['plan_rows']:,} rows). A 10M-sample `pack_dataset` needs that plus its "
-        "`num_proc` copies of the plan; tokens never are all in memory. (10M samples end to end "
-        "would write ~75 GB of padded rows; too big for this shared machine, so the token part "
-        "was measured at the smaller scale above.)",
+        f"RAM part at scale: `pack` of {p['samples']:,} lengths took {p['s']:.1f} s; the process "
+        f"peaked at {p['peak_rss_mb']:.0f} MB ({p['rss_before_mb']:.0f} MB of it before the "
+        f"lengths existed; {p['rows']:,} rows). A 10M-sample `pack_dataset` holds that plus one "
+        "copy of the plan per `num_proc` worker; the tokens are never all in memory. (10M samples "
+        "end to end would write ~75 GB of padded rows, too much for this shared machine, so the "
+        "token path was measured at the smaller scale above.)",
         "",
         f"## Streaming efficiency vs buffer size ({s['samples']:,} samples)",
         "",
@@ -326,7 +327,12 @@ def main() -> None:
     ap.add_argument("--e2e-samples", type=int, default=20_000)
     ap.add_argument("--scale-samples", type=int, default=100_000)
     ap.add_argument("--plan-samples", type=int, default=10_000_000)
-    ap.add_argument("--part", choices=["dataset", "hf", "stream", "scale"], help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--part",
+        choices=["dataset", "hf", "stream", "scale_source", "scale", "plan"],
+        help=argparse.SUPPRESS,
+    )
+    ap.add_argument("--dir", help=argparse.SUPPRESS)
     ap.add_argument(
         "--out", default=os.path.join(os.path.dirname(__file__), "results", "pipeline.md")
     )
@@ -337,13 +343,20 @@ def main() -> None:
     if a.part == "hf":
         print(json.dumps(part_hf(a.hf_samples)))
         return
+    if a.part == "scale_source":
+        print(json.dumps(part_scale_source(a.scale_samples, a.dir)))
+        return
     if a.part == "scale":
-        print(json.dumps(part_scale(a.scale_samples, a.plan_samples)))
+        print(json.dumps(part_scale(a.dir)))
+        return
+    if a.part == "plan":
+        print(json.dumps(part_plan(a.plan_samples)))
         return
     if a.part == "stream":
         print(json.dumps(part_stream(a.stream_samples, a.e2e_samples)))
         return
     results = {}
+    folder = os.path.join(tempfile.mkdtemp(prefix="flexpack-bench-"), "src")
     for part, extra in (
         ("dataset", ["--samples", str(a.samples), "--rows-to-read", str(a.rows_to_read)]),
         ("hf", ["--hf-samples", str(a.hf_samples)]),
@@ -351,10 +364,14 @@ def main() -> None:
             "stream",
             ["--stream-samples", str(a.stream_samples), "--e2e-samples", str(a.e2e_samples)],
         ),
+        ("scale_source", ["--scale-samples", str(a.scale_samples), "--dir", folder]),
+        ("scale", ["--dir", folder]),
+        ("plan", ["--plan-samples", str(a.plan_samples)]),
     ):
         t = time.perf_counter()
         results[part] = run_child(["--part", part, *extra])
         print(f"{part}: {time.perf_counter() - t:.1f} s", json.dumps(results[part]), flush=True)
+    shutil.rmtree(os.path.dirname(folder), ignore_errors=True)
     cmd = "python bench/pipeline.py " + " ".join(sys.argv[1:])
     write_markdown(results, cmd.strip(), a.out)
     print(f"wrote {a.out}")
