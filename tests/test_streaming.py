@@ -220,3 +220,16 @@ def test_hf_dataset_as_stream_two_ranks():
         ds = PackedIterableDataset(hf, 16, buffer_size=4, rank=rank, world_size=2)
         docs += [d for r in ds for d in docs_of(r.input_ids, r.doc_ids)]
     assert Counter(docs) == Counter(tuple(s) for s in samples)
+
+
+def test_state_right_after_iter_is_the_loaded_state():
+    samples = make_samples(30, 16, seed=9)
+    ds = PackedIterableDataset(samples, 16, buffer_size=5)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    state = ds.state_dict()
+    again = PackedIterableDataset(samples, 16, buffer_size=5)
+    again.load_state_dict(state)
+    iter(again)  # not started yet: the state is still the loaded one
+    assert again.state_dict() == state

@@ -158,7 +158,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         """
         c = self._cursor
         if c is not None:
-            return self._make_state(c.g, c.n, c.position, c.packer.pending(), c.rows)
+            return self._make_state(c.g, c.n, c.position, c.pending(), c.rows)
         if self._resume is not None:
             return dict(self._resume)
         g, n = self._reader()
@@ -217,7 +217,10 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                 )
             position, rows = resume["position"], resume["rows_emitted"]
             pending = [tuple(p) for p in resume["pending"]]
-        return self._run(g, n, position, pending, rows)
+        packer = _Packer(self.strategy, self.max_len, self.buffer_size)
+        # Set now, not at the first next(): state_dict() right after iter() must see the resume.
+        self._cursor = _Cursor(g, n, position, rows, packer, pending)
+        return self._run(self._cursor, pending)
 
     def _pieces(self, k: int, tok: Any) -> list[tuple[int, int, int]]:
         m, length = self.max_len, len(tok)
@@ -234,7 +237,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             return [(k, 0, m)]
         return [(k, s, min(s + m, length)) for s in range(0, length, m)]
 
-    def _run(self, g: int, n: int, position: int, pending: list, rows: int) -> Iterator[Any]:
+    def _run(self, cursor: _Cursor, pending: list) -> Iterator[Any]:
+        g, n, position, packer = cursor.g, cursor.n, cursor.position, cursor.packer
         tokens: dict[int, Any] = {}
         need = {p[0] for p in pending}
         if need:  # re-read the buffered samples of the saved state
@@ -249,10 +253,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                     f"the stream has fewer items than the saved state refers to (missing local "
                     f"indices {sorted(need)[:5]}); resume on the same stream."
                 )
-        packer = _Packer(self.strategy, self.max_len, self.buffer_size)
         live: dict[int, int] = {}  # "bfd": pieces of sample k still in the buffer
-        cursor = _Cursor(g, n, position, rows, packer)
-        self._cursor = cursor
 
         def emit(row: list[tuple[int, int, int]]) -> Any:
             pieces = [[tokens[k][s:e] for k, s, e in row]]
@@ -272,6 +273,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         # Feeding the saved pieces again rebuilds the packer exactly (it is deterministic).
         for k, _, _ in pending:
             live[k] = live.get(k, 0) + 1
+        cursor.unfed = []  # from here on the packer holds the saved pieces
         for row in packer.push(pending):
             yield emit(row)
         for k, sample in self._samples(g, n, position):
@@ -289,8 +291,14 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
 class _Cursor:
     """Where a running iteration stands; read by state_dict() while the generator is paused."""
 
-    def __init__(self, g: int, n: int, position: int, rows: int, packer: _Packer) -> None:
+    def __init__(
+        self, g: int, n: int, position: int, rows: int, packer: _Packer, unfed: list
+    ) -> None:
         self.g, self.n, self.position, self.rows, self.packer = g, n, position, rows, packer
+        self.unfed = unfed  # saved pieces not yet fed to the packer (before the first next())
+
+    def pending(self) -> list[tuple[int, int, int]]:
+        return [tuple(p) for p in self.unfed] + self.packer.pending()
 
 
 class _Packer:
