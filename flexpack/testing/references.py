@@ -185,6 +185,9 @@ def block_states(block_mask: BlockMask) -> Tensor:
     Returns:
         (Bm, Hm, ceil(Q_LEN / bq), ceil(KV_LEN / bkv)) int8 tensor on the mask's device.
 
+    Raises:
+        TypeError: block_mask is not a BlockMask.
+
     Example:
         >>> from torch.nn.attention.flex_attention import create_block_mask
         >>> causal = lambda b, h, q_idx, kv_idx: q_idx >= kv_idx

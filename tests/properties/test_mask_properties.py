@@ -167,9 +167,8 @@ def test_document_and_causal_normalize_in_either_order():
         np.testing.assert_array_equal(element_mask(m, d), np_twin(("document_causal",), d.numpy()))
 
 
-@pytest.mark.xfail(
-    strict=True, raises=RuntimeError, reason="flexpack.masks: prefix_lm crashes with no document"
-)
+# Known bug, reported to the mask work: drop this marker once it passes (XPASS).
+@pytest.mark.xfail(raises=RuntimeError, reason="flexpack.masks: prefix_lm crashes with no document")
 def test_prefix_lm_over_padding_only():
     # A batch with no document at all: prefix_lengths is (B, 0); the mask allows nothing.
     d = torch.full((2, 5), -1)
