@@ -130,7 +130,11 @@ def _tree_first_at_least(tree, size, s):
 
 @njit(cache=True, nogil=True)
 def _sorted_desc(sizes, max_len):
-    order = order_by_size_desc(sizes, max_len)
+    if max_len > 4 * sizes.shape[0] + 65536:
+        # a counting sort's table would dwarf the input: sort by comparison (stable)
+        order = np.argsort(-sizes, kind="mergesort")
+    else:
+        order = order_by_size_desc(sizes, max_len)
     n = sizes.shape[0]
     sorted_sizes = np.empty(n, np.int64)
     for k in range(n):

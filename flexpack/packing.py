@@ -39,6 +39,7 @@ __all__ = ["OVERFLOWS", "STRATEGIES", "DocsPerRow", "PackPlan", "PackStats", "pa
 STRATEGIES = ("bfd", "ffd", "greedy", "wrap")
 OVERFLOWS = ("error", "split", "truncate", "drop")
 _NO_LIMIT = np.iinfo(np.int64).max
+_BFD_MAX_LEN = 1 << 24  # bfd's capacity table: 8 bytes per capacity, 128 MiB at this limit
 
 
 @dataclass(frozen=True)
@@ -318,6 +319,11 @@ def pack(
     )
     if seed is not None and not isinstance(seed, int | np.integer):
         raise TypeError(f"seed must be an int or None; got {seed!r}")
+    if strategy == "bfd" and max_len > _BFD_MAX_LEN:
+        raise ValueError(
+            f"strategy='bfd' keeps a table over every free capacity 0..max_len, too large for "
+            f"max_len={max_len} (limit {_BFD_MAX_LEN}); use strategy='ffd' (memory O(samples))"
+        )
     lengths = _as_lengths(lengths)
     n = lengths.shape[0]
     tokens = int(lengths.sum())

@@ -208,3 +208,12 @@ def test_docs_examples():
     result = doctest.testfile(str(docs), module_relative=False, optionflags=flags)
     assert result.attempted > 10
     assert result.failed == 0
+
+
+def test_huge_max_len():
+    """ffd switches to a comparison sort when max_len dwarfs the input; bfd refuses clearly."""
+    plan = pack([5, 3, 10**9], 2**31, strategy="ffd", seed=None)
+    assert plan.num_rows == 1 and plan.segments[:, 1].tolist() == [0, 1, 2]
+    assert pack([5, 3], 2**31, strategy="greedy").num_rows == 1
+    with pytest.raises(ValueError, match="use strategy='ffd'"):
+        pack([5, 3], 2**31)
