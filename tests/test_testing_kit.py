@@ -423,3 +423,13 @@ def test_strategy_argument_errors():
         find(fst.seqlens(max_len=0), lambda p: True)
     with pytest.raises(ValueError, match="integer dtype"):
         find(fst.doc_ids(dtype=torch.float32), lambda p: True)
+
+
+@given(rows=fst.seqlens(max_len=40, allow_empty_rows=True))
+def test_seqlens_feed_packed_layout(rows):
+    # The strategy speaks PackedLayout's language: per-row document lengths for from_seqlens.
+    from flexpack import PackedLayout
+
+    layout = PackedLayout.from_seqlens(rows, 40)
+    assert layout.doc_ids.shape == (len(rows), 40)
+    assert layout.seqlens.tolist() == [n for row in rows for n in row]
