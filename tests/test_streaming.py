@@ -233,3 +233,30 @@ def test_state_right_after_iter_is_the_loaded_state():
     again.load_state_dict(state)
     iter(again)  # not started yet: the state is still the loaded one
     assert again.state_dict() == state
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=50),
+    strategy=st.sampled_from(["bfd", "greedy", "wrap"]),
+    buffer_size=st.integers(1, 10),
+    world=st.integers(1, 4),
+)
+def test_readers_cover_the_stream_exactly_once(lengths, strategy, buffer_size, world):
+    starts = np.cumsum([0, *lengths])[:-1].tolist()
+    samples = [list(range(s, s + k)) for s, k in zip(starts, lengths, strict=True)]
+    got: Counter = Counter()
+    for rank in range(world):
+        ds = PackedIterableDataset(
+            Stream(samples),
+            16,
+            buffer_size=buffer_size,
+            strategy=strategy,
+            overflow="split",
+            rank=rank,
+            world_size=world,
+        )
+        for row in ds:
+            assert (row.doc_ids >= 0).sum() > 0  # no empty rows
+            got.update(tokens_of(rows_of([row])))
+    assert got == Counter(t for s in samples for t in s)
