@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 
+os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported: no torchtune progress bar
+
 from flexpack import pack
 
 warnings.filterwarnings("ignore")
-os.environ.setdefault("TQDM_DISABLE", "1")  # torchtune's progress bar would flood the report
 
 
 def dist_a(n: int = 100_000, seed: int = 0) -> np.ndarray:

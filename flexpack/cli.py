@@ -334,7 +334,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``flexpack`` command line; returns the exit status."""
+    r"""Run the ``flexpack`` command line; returns the exit status (2 on a user error).
+
+    Example:
+        >>> import os, tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "data.jsonl")
+        >>> with open(path, "w") as f:
+        ...     _ = f.write('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
+        >>> main(["stats", path, "--max-len", "8"])
+        2 samples, 5 tokens, max_len 8, overflow 'error', 0 samples too long
+        strategy ...
+        bfd               1           1   +0.00%     62.50%     2.00 ...
+        0
+    """
     args = build_parser().parse_args(argv)
     if args.command == "demo":
         from flexpack.demo import main as demo_main

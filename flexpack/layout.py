@@ -465,7 +465,12 @@ class PackedLayout:
 
     # ------------------------------------------------------------------ utilities
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedLayout:
-        """The same layout on ``device`` (cached views move along)."""
+        """The same layout on ``device`` (cached views move along).
+
+        Example:
+            >>> PackedLayout.from_seqlens([[2, 1]]).to("cpu").cu_seqlens
+            tensor([0, 2, 3], dtype=torch.int32)
+        """
         moved = PackedLayout(self.doc_ids.to(device, non_blocking=non_blocking))
         for name, value in self.__dict__.items():
             if name == "doc_ids":

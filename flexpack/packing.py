@@ -90,7 +90,7 @@ class PackPlan:
     Attributes:
         segments: (n_segments, 4) int64, read-only; columns (row, sample, start, stop): tokens
             ``start:stop`` of sample ``sample`` form the next document of row ``row``. Ordered
-            by row, then by position in the row.
+            by row, then by position in the row (a row's documents in sample order).
         num_rows: R, the number of rows.
         max_len: S, tokens per row.
         lengths: (n_samples,) int64, read-only: the sample lengths the plan was made for.
@@ -138,7 +138,12 @@ class PackPlan:
         return offsets
 
     def row_lengths(self) -> np.ndarray:
-        """(num_rows,) int64: tokens in each row."""
+        """(num_rows,) int64: tokens in each row.
+
+        Example:
+            >>> pack([3, 5, 2, 4], max_len=8, seed=None).row_lengths()
+            array([8, 6])
+        """
         seg = self.segments
         return np.bincount(
             seg[:, 0], weights=seg[:, 3] - seg[:, 2], minlength=self.num_rows
