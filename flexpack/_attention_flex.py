@@ -10,12 +10,13 @@ function and then silently runs flex_attention eagerly, which materializes the w
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpack._attention_sdpa import _tokens, _untokens, document_groups
+from flexpack._attention_sdpa import _tokens, _untokens, cached_plan, document_groups
 
 
 class RecompileLimitError(RuntimeError):
@@ -76,6 +77,25 @@ def varlen_available() -> bool:
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 
 
+@dataclass(frozen=True)
+class _VarlenPlan:
+    """Unpadding for varlen: order (T,), cu_seqlens (N + 1,) int32, max_seqlen, and whether the
+    order is the identity (no padding, documents in order: no gather or scatter needed)."""
+
+    order: Tensor
+    cu_seqlens: Tensor
+    max_seqlen: int
+    identity: bool
+
+
+def _varlen_plan(doc_ids: Tensor) -> _VarlenPlan:
+    groups = document_groups(doc_ids)
+    order, T = groups.order, groups.order.numel()
+    identity = T == doc_ids.numel() and bool((order == torch.arange(T, device=order.device)).all())
+    max_seqlen = int(groups.seqlens.max()) if T else 0
+    return _VarlenPlan(order, groups.cu_seqlens, max_seqlen, identity)
+
+
 def varlen(
     q: Tensor,
     k: Tensor,
@@ -86,31 +106,36 @@ def varlen(
     scale: float | None,
     enable_gqa: bool,
 ) -> Tensor:
-    """torch's FlashAttention varlen kernel over the documents of ``doc_ids`` (B, S).
+    """torch's FlashAttention varlen kernel over the documents of ``doc_ids`` (B or 1, S).
 
     Tokens are unpadded flash-attn style (``indices`` / ``cu_seqlens``), attended per document
-    and scattered back; padding gets 0. Costs one host sync (``max_seqlen``).
+    and scattered back; padding gets 0. The plan (one host sync for ``max_seqlen``) is computed
+    once per doc_ids tensor and reused across layers. Rows without padding whose documents are in
+    order skip the gather and scatter; with q, k, v laid out (B, S, H, D) underneath, as models
+    produce them before ``transpose(1, 2)``, no copy is made at all.
     """
     from torch.nn.attention.varlen import varlen_attn
 
     B, Hq, S, D = q.shape
-    groups = document_groups(doc_ids)
-    order = groups.order
-    qs, ks, vs = (_tokens(x).index_select(0, order) for x in (q, k, v))  # (T, H, D)
-    out = q.new_zeros(B * S, Hq, D)
-    if order.numel() == 0:
-        return _untokens(out + 0.0 * (qs.sum() + ks.sum() + vs.sum()), B, S)
-    max_seqlen = int(groups.seqlens.max())
+    plan = cached_plan("varlen", doc_ids, B, _varlen_plan)
+    if plan.identity:
+        qs, ks, vs = (_tokens(x) for x in (q, k, v))  # (B * S, H, D)
+    else:
+        qs, ks, vs = (_tokens(x).index_select(0, plan.order) for x in (q, k, v))  # (T, H, D)
+    if plan.max_seqlen == 0:  # all padding: zeros, still connected to the graph
+        return _untokens(q.new_zeros(B * S, Hq, D) + 0.0 * (qs.sum() + ks.sum() + vs.sum()), B, S)
     o = varlen_attn(
         qs,
         ks,
         vs,
-        groups.cu_seqlens,
-        groups.cu_seqlens,
-        max_seqlen,
-        max_seqlen,
+        plan.cu_seqlens,
+        plan.cu_seqlens,
+        plan.max_seqlen,
+        plan.max_seqlen,
         scale=scale,
         window_size=(-1, 0) if causal else (-1, -1),
         enable_gqa=enable_gqa,
     )
-    return _untokens(out.index_copy(0, order, o), B, S)
+    if plan.identity:
+        return _untokens(o, B, S)
+    return _untokens(q.new_zeros(B * S, Hq, D).index_copy(0, plan.order, o), B, S)

@@ -14,8 +14,10 @@ flex_attention has no CPU backward in torch 2.13, so training on CPU goes throug
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +68,62 @@ def document_groups(doc_ids: Tensor) -> DocumentGroups:
     return DocumentGroups(order=order, seqlens=seqlens, cu_seqlens=cu_seqlens)
 
 
+_Plan = TypeVar("_Plan")
+_PLANS: dict[tuple[str, int, int], tuple[weakref.ref, int, object]] = {}
+_MAX_PLANS = 16
+
+
+def cached_plan(kind: str, doc_ids: Tensor, B: int, build: Callable[[Tensor], _Plan]) -> _Plan:
+    """``build(doc_ids.expand(B, S))``, reused while ``doc_ids`` is the same unmodified tensor.
+
+    A model calls attention once per layer with the same mask: the grouping (sorts, and the host
+    syncs that size the kernel calls) is computed on the first layer only. The cache holds a
+    weak reference and the tensor's version counter, so a freed or in-place-modified doc_ids is
+    never served stale; it keeps at most 16 plans.
+    """
+    try:
+        version = doc_ids._version
+    except RuntimeError:  # inference tensors have no version counter: do not cache
+        return build(doc_ids.expand(B, doc_ids.shape[-1]))
+    key = (kind, id(doc_ids), B)
+    hit = _PLANS.get(key)
+    if hit is not None and hit[0]() is doc_ids and hit[1] == version:
+        return hit[2]  # type: ignore[return-value]
+    plan = build(doc_ids.expand(B, doc_ids.shape[-1]))
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.pop(next(iter(_PLANS)))
+    _PLANS[key] = (weakref.ref(doc_ids), version, plan)
+    return plan
+
+
+@dataclass(frozen=True)
+class _LengthRuns:
+    """Tokens reordered so that documents of equal length are adjacent (per-document SDPA).
+
+    perm: (T,) positions in the flattened (B * S,) stream; runs: (length, count) per run.
+    """
+
+    perm: Tensor
+    runs: list[tuple[int, int]]
+
+
+def _length_runs(doc_ids: Tensor) -> _LengthRuns:
+    groups = document_groups(doc_ids)
+    # Reorder the documents by length so that documents of equal length are adjacent: then one
+    # gather (index_select) puts every token where its batched SDPA call wants it, the calls take
+    # contiguous slices, and one index_copy scatters the outputs back. (Gathering per call instead
+    # costs a full-size zero-fill + scatter per call in the backward.)
+    lens_sorted, doc_perm = torch.sort(groups.seqlens, stable=True)
+    starts_sorted = groups.cu_seqlens[:-1].long()[doc_perm]
+    before = torch.cumsum(lens_sorted, 0) - lens_sorted  # new start of each document
+    T = groups.order.numel()
+    within = torch.arange(T, device=doc_ids.device) - torch.repeat_interleave(before, lens_sorted)
+    perm = groups.order[torch.repeat_interleave(starts_sorted, lens_sorted) + within]  # (T,)
+    # One host sync for the run lengths, instead of one per document.
+    run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
+    return _LengthRuns(perm, list(zip(run_lens.tolist(), run_counts.tolist(), strict=True)))
+
+
 def _tokens(x: Tensor) -> Tensor:
     """(B, H, S, D) -> (B * S, H, D), the flash-attn token-major layout."""
     B, H, S, D = x.shape
@@ -97,33 +155,22 @@ def per_document_sdpa(
 
     Args:
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D).
-        doc_ids: (B, S) int on q's device; negative values mark padding.
+        doc_ids: (B, S) or (1, S) int on q's device; negative values mark padding. Pass the
+            mask's own tensor (not a fresh view) so the grouping is reused across layers.
         causal: also mask keys after the query (in position order inside the document).
 
     Returns:
         (B, Hq, S, D), 0 on padding tokens.
     """
     B, Hq, S, D = q.shape
-    groups = document_groups(doc_ids)
-    seqlens = groups.seqlens
-    # Reorder the documents by length so that documents of equal length are adjacent: then one
-    # gather (index_select) puts every token where its batched SDPA call wants it, the calls take
-    # contiguous slices, and one index_copy scatters the outputs back. (Gathering per call instead
-    # costs a full-size zero-fill + scatter per call in the backward.)
-    lens_sorted, doc_perm = torch.sort(seqlens, stable=True)
-    starts_sorted = groups.cu_seqlens[:-1].long()[doc_perm]
-    before = torch.cumsum(lens_sorted, 0) - lens_sorted  # new start of each document
-    T = groups.order.numel()
-    within = torch.arange(T, device=q.device) - torch.repeat_interleave(before, lens_sorted)
-    perm = groups.order[torch.repeat_interleave(starts_sorted, lens_sorted) + within]  # (T,)
+    plan = cached_plan("sdpa", doc_ids, B, _length_runs)
+    perm, runs = plan.perm, plan.runs
     # Head-major (H, B * S, D): free for B == 1, and every (document, head) block of the gathered
     # tensor is a contiguous (L, D) matrix, the layout SDPA's CPU kernel is fastest on.
     qs, ks, vs = (_heads(x).index_select(1, perm) for x in (q, k, v))  # (H, T, D)
 
-    # One host sync for the run lengths, instead of one per document. One split per tensor (its
-    # backward is a single cat; slicing per call would zero-fill a full-size gradient per call).
-    run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
-    runs = list(zip(run_lens.tolist(), run_counts.tolist(), strict=True))
+    # One split per tensor (its backward is a single cat; slicing per call would zero-fill a
+    # full-size gradient per call).
     sizes = [length * count for length, count in runs]
     outs = []
     for (length, count), qd, kd, vd in zip(
@@ -164,10 +211,12 @@ def dense_mask_from_mod(
         return create_mask(mask_mod, B, H, S, S, device=device).to(torch.bool)
 
 
-def dense_mask_from_block_mask(block_mask: BlockMask, device: torch.device) -> Tensor:
-    """What flex_attention computes with ``block_mask``: (B, H, Q, KV) bool.
+def dense_mask_from_block_mask(block_mask: BlockMask, B: int, device: torch.device) -> Tensor:
+    """What flex_attention computes with ``block_mask`` on a batch of B: (B, H, S, S) bool.
 
-    False on skipped blocks, True on full blocks, ``mask_mod`` on partial blocks.
+    False on skipped blocks, True on full blocks, ``mask_mod`` on partial blocks, evaluated at
+    the real batch index as flex does when a batch-1 BlockMask is broadcast (H stays the
+    BlockMask's: head-dependent mask_mods need a BlockMask built with every head).
     """
     Bm, Hm = block_mask.kv_num_blocks.shape[:2]
     Q_LEN, KV_LEN = block_mask.seq_lengths
@@ -189,14 +238,11 @@ def dense_mask_from_block_mask(block_mask: BlockMask, device: torch.device) -> T
             ..., :KV_LEN
         ]
 
+    assert Q_LEN == KV_LEN, block_mask.seq_lengths  # checked by flexpack.attention
     partial = expand(blocks(block_mask.kv_num_blocks, block_mask.kv_indices))
     full = expand(blocks(block_mask.full_kv_num_blocks, block_mask.full_kv_indices))
-    if Q_LEN != KV_LEN:
-        raise ValueError(
-            f"flexpack.attention needs a square BlockMask, got seq_lengths {block_mask.seq_lengths}"
-        )
-    elementwise = dense_mask_from_mod(block_mask.mask_mod, Bm, Hm, Q_LEN, device)
-    return full | (partial & elementwise)
+    elementwise = dense_mask_from_mod(block_mask.mask_mod, B, Hm, Q_LEN, device)
+    return full | (partial & elementwise)  # (Bm, ...) blocks broadcast to B
 
 
 def dense_sdpa(

@@ -57,8 +57,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
     block_mask = None
     if isinstance(mask, BlockMask):
         block_mask = mask
-        mask_of = getattr(_masks, "mask_of", None)
-        recovered = mask_of(mask) if mask_of is not None else None
+        recovered = _masks.mask_of(mask)  # the flexpack Mask behind it, None if foreign
         if block_mask.seq_lengths != (S, S):
             raise ValueError(
                 f"the BlockMask is for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but q, k, v "
@@ -204,7 +203,7 @@ def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str)
 
 def _dense_mask(spec: _MaskSpec, B: int, Hq: int, S: int, device: torch.device) -> Tensor:
     if spec.mask is None:  # a foreign BlockMask: reproduce exactly what flex computes with it
-        return _attention_sdpa.dense_mask_from_block_mask(spec.block_mask, device)
+        return _attention_sdpa.dense_mask_from_block_mask(spec.block_mask, B, device)
     Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
     return _attention_sdpa.dense_mask_from_mod(spec.mask.mask_mod, Bm, 1, S, device)
 
@@ -283,10 +282,10 @@ def attention(
             block_mask = spec.mask.block_mask(B=Bm, Q_LEN=S, KV_LEN=S, device=q.device)
         return _attention_flex.flex(q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa)
     if path in ("varlen", "sdpa_document"):
-        doc_ids = spec.doc_ids.expand(B, S)
         run = _attention_flex.varlen if path == "varlen" else _attention_sdpa.per_document_sdpa
         causal = spec.kind == "document_causal"
-        return run(q, k, v, doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa)
+        # The mask's own doc_ids tensor (not a view): its grouping is cached across layers.
+        return run(q, k, v, spec.mask.doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa)
     if path == "sdpa_causal":
         return torch.nn.functional.scaled_dot_product_attention(
             q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa

@@ -201,6 +201,31 @@ def test_all_padding_gives_zero_output_and_gradients():
         assert all((g == 0).all() for g in grads)
 
 
+def test_grouping_is_cached_per_doc_ids_tensor_and_never_stale():
+    from flexpack._attention_sdpa import _length_runs, cached_plan
+
+    doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
+    plan = cached_plan("sdpa", doc_ids, 2, _length_runs)
+    assert cached_plan("sdpa", doc_ids, 2, _length_runs) is plan  # next layer: reused
+    assert cached_plan("sdpa", doc_ids.clone(), 2, _length_runs) is not plan
+    doc_ids[0, -1] = 1  # modified in place: rebuilt
+    fresh = cached_plan("sdpa", doc_ids, 2, _length_runs)
+    assert fresh is not plan and fresh.perm.numel() == 12
+
+
+def test_varlen_plan_unpads_like_flash_attn():
+    # varlen_attn itself needs CUDA; its unpadding plan is plain torch.
+    from flexpack._attention_flex import _varlen_plan
+
+    plan = _varlen_plan(torch.tensor([[0, 0, 1, -1], [0, 1, 1, 1]]))
+    assert plan.order.tolist() == [0, 1, 2, 4, 5, 6, 7]  # flash-attn's unpad_input indices
+    assert plan.cu_seqlens.tolist() == [0, 2, 3, 4, 7] and plan.cu_seqlens.dtype == torch.int32
+    assert plan.max_seqlen == 3 and not plan.identity
+    full = _varlen_plan(torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]]))
+    assert full.identity  # no padding, documents in order: no gather, no scatter
+    assert not _varlen_plan(torch.tensor([[1, 1, 0, 0]])).identity  # ids out of order
+
+
 def test_scale_is_honoured():
     q, k, v = make_qkv(2, 2, 2, DOC_IDS.shape[1], 8, torch.float32)
     ref = lambda q, k, v: per_document_reference(q, k, v, DOC_IDS, causal=True, scale=0.3)
@@ -303,6 +328,19 @@ def test_compiled_flex_matches_reference_without_recompiling_for_new_layouts():
         assert rel_err(out, per_document_reference(q, k, v, doc_ids, causal=True)) < 1e-5
         compiles.append(counters["stats"]["unique_graphs"])
     assert compiles[1:] == [compiles[0]] * 3, f"recompiled for a new layout: {compiles}"
+
+    # A foreign BlockMask (the user's own mask_mod) runs on flex too.
+    doc_ids = _random_layout(4)
+
+    def same_doc_but_first_token(b, h, q_idx, kv_idx):
+        return (doc_ids[b, q_idx] == doc_ids[b, kv_idx]) & (q_idx > 0) & (doc_ids[b, q_idx] >= 0)
+
+    block_mask = create_block_mask(same_doc_but_first_token, FLEX_B, None, FLEX_S, FLEX_S, "cpu")
+    assert _choose_path(q, k, v, _mask_spec(block_mask, q), "auto") == "flex"
+    out = flexpack.attention(q, k, v, block_mask)
+    dense = dense_mask(same_doc_but_first_token, FLEX_B, 1, FLEX_S, FLEX_S)
+    want = reference_attention(q.double(), k.double(), v.double(), dense)
+    assert rel_err(out, want) < 1e-5
 
 
 @pytest.mark.compile
