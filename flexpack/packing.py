@@ -20,7 +20,6 @@ and ``"wrap"`` keep the input order.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -390,7 +389,7 @@ def pack(
         else 0,
         rows=num_rows,
         max_len=max_len,
-        lower_bound_rows=math.ceil(placed / max_len),
+        lower_bound_rows=-(-placed // max_len),  # exact ceil, no float rounding
         docs_per_row=DocsPerRow(
             min=int(docs.min()) if num_rows else 0,
             mean=float(segments.shape[0] / num_rows) if num_rows else 0.0,
