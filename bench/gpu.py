@@ -220,11 +220,14 @@ def speed(device: torch.device, S: int, *, H: int, D: int, median: float, reps: 
         f"\nS={S}: {len(seqlens)} documents, max {max(seqlens)}, H={H}, D={D}, {dtype}", flush=True
     )
     g = torch.Generator(device=device).manual_seed(0)
-    q, k, v = (
-        torch.randn(1, H, S, D, device=device, dtype=dtype, generator=g).requires_grad_()
+    # Model layout: projections give (B, S, H, D), attention sees the (B, H, S, D) transpose.
+    leaves = [
+        torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g).requires_grad_()
         for _ in range(3)
-    )
-    dout = torch.randn_like(q)
+    ]
+    q, k, v = (x.transpose(1, 2) for x in leaves)  # (1, H, S, D) views
+    dout_base = torch.randn(1, S, H, D, device=device, dtype=dtype, generator=g)
+    dout = dout_base.transpose(1, 2)
     block_mask = flexpack.document_causal_mask(doc_ids)
     timer = make_timer(device)
     results: list[Result] = []
@@ -262,16 +265,14 @@ def speed(device: torch.device, S: int, *, H: int, D: int, median: float, reps: 
     if device.type == "cuda":
         from torch.nn.attention.varlen import varlen_attn
 
-        qt, kt, vt = (
-            x.detach()[0].transpose(0, 1).contiguous().requires_grad_() for x in (q, k, v)
-        )
+        qt, kt, vt = (x[0] for x in leaves)  # (S, H, D): already unpadded, no copy
         cu = torch.zeros(len(seqlens) + 1, dtype=torch.int32, device=device)
         cu[1:] = torch.cumsum(torch.tensor(seqlens, device=device), 0)
         mx = max(seqlens)
         run(
             "varlen_attn",
             lambda: varlen_attn(qt, kt, vt, cu, cu, mx, mx, window_size=(-1, 0)),
-            dout[0].transpose(0, 1).contiguous(),
+            dout_base[0],
         )
     else:
         results.append(Result(S, "varlen_attn", note="CUDA only"))

@@ -175,6 +175,19 @@ def test_general_masks_match_dense_reference(make_mask):
     check_against(_dense_ref(mask, 1, doc_ids.shape[1], True), q, k, v, mask, enable_gqa=True)
 
 
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), doc_ids=fst.doc_ids(max_seq_len=40, max_batch_size=2))
+def test_property_any_composed_mask_matches_dense_reference(data, doc_ids):
+    # Whatever path "auto" picks with grad on CPU (per-document, causal or dense), the result is
+    # the dense float64 reference, gradients included.
+    mask = data.draw(fst.masks(doc_ids, max_depth=2))
+    B, S = doc_ids.shape
+    q, k, v = make_qkv(B, 2, 1, S, 8, torch.float32, seed=data.draw(st.integers(0, 99)))
+    dense = dense_mask(mask, B, 1, S, S)
+    ref = lambda q, k, v: reference_attention(q, k, v, dense, enable_gqa=True)
+    check_against(ref, q, k, v, mask, enable_gqa=True)
+
+
 def test_foreign_block_mask_runs_on_sdpa_through_its_dense_twin():
     S = DOC_IDS.shape[1]
 
