@@ -90,6 +90,22 @@ def test_llama_on_packed_rows_matches_each_document_alone(seed):
     assert gap > 1000 * ATOL
 
 
+def test_packed_rows_stay_exact_with_a_cache_or_a_padding_mask():
+    """transformers 5.x drops its own packed-sequence mask when use_cache is on (the config
+    default) or an attention_mask is passed; flexpack reads doc_ids, so neither matters."""
+    model, reference = llama(6)
+    batch = flexpack.pack_sequences(samples(6), MAX_LEN)
+    kwargs = packed_forward_kwargs(batch)
+    del kwargs["use_cache"]
+    with torch.no_grad():
+        with_cache = model(**kwargs).logits
+        padded = model(**kwargs, attention_mask=(batch.doc_ids >= 0).long()).logits
+        for r, a, b in documents(batch.doc_ids):
+            want = alone(reference, batch.input_ids[r, a:b])
+            torch.testing.assert_close(with_cache[r, a:b], want, atol=ATOL, rtol=0)
+            torch.testing.assert_close(padded[r, a:b], want, atol=ATOL, rtol=0)
+
+
 def test_hf_loss_and_gradients_match_unpacked():
     model, reference = llama(2)
     model.train()

@@ -160,10 +160,10 @@ def flexpack_attention_forward(
     Example:
         >>> import torch
         >>> from flexpack.integrations.transformers import flexpack_attention_forward
-        >>> q = k = v = torch.randn(1, 2, 6, 8)
+        >>> q = k = v = torch.randn(1, 2, 6, 8, requires_grad=True)  # two documents of 3:
         >>> out, _ = flexpack_attention_forward(torch.nn.Module(), q, k, v, None,
-        ...     position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))  # doctest: +SKIP
-        >>> out.shape  # doctest: +SKIP
+        ...     position_ids=torch.tensor([[0, 1, 2, 0, 1, 2]]))
+        >>> out.shape  # (B, S, Hq, D)
         torch.Size([1, 6, 2, 8])
     """
     from flexpack.attention import attention
