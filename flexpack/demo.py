@@ -104,29 +104,32 @@ def _pad_rows_to(x: Tensor, n: int, value: int) -> Tensor:
     return torch.cat([x, x.new_full((n - x.shape[0], *x.shape[1:]), value)])
 
 
-def _write_mask_png(doc_ids: Tensor, path: Path) -> str:
-    """Render the document-causal mask of one packed row; returns what was written (or why not)."""
-    try:
-        import matplotlib
-    except ImportError:
-        return "skipped the mask PNG: matplotlib is not installed (pip install 'flexpack[viz]')"
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _write_mask_pngs(doc_ids: Tensor, out: Path) -> list[str]:
+    """Draw the mask of one packed row with ``flexpack.viz``; returns what was written or why not.
 
-    d = doc_ids.long()  # (S,)
-    S = d.shape[0]
-    allowed = (d[:, None] == d[None, :]) & (d[:, None] >= 0) & torch.ones(S, S).tril().bool()
-    n_docs = int(d.max()) + 1 if (d >= 0).any() else 0
-    fig, ax = plt.subplots(figsize=(6, 6), dpi=100)
-    ax.imshow(allowed.numpy(), cmap="Blues", interpolation="nearest")
-    ax.set_title(f"document-causal mask of one packed row\n{n_docs} documents, S={S}")
-    ax.set_xlabel("key position (kv_idx)")
-    ax.set_ylabel("query position (q_idx)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return f"wrote {path} (row with {n_docs} documents)"
+    doc_ids: (S,) int32, the row's document ids (-1 = padding).
+    """
+    import flexpack
+    from flexpack import viz
+
+    try:
+        import matplotlib  # noqa: F401  (the viz extra)
+    except ImportError:
+        return ["skipped the mask PNGs: matplotlib is not installed (pip install 'flexpack[viz]')"]
+    block_mask = flexpack.document_causal_mask(doc_ids[None])  # (1, 1, S, S)
+    n_docs = int((doc_ids >= 0).sum() and doc_ids.max() + 1)
+    S = doc_ids.shape[0]
+    element = viz.plot_mask(
+        block_mask,
+        out / "mask.png",
+        doc_ids=doc_ids,
+        title=f"document-causal mask of one packed row\n{n_docs} documents, S={S}",
+    )
+    blocks = viz.plot_block_mask(block_mask, out / "block_mask.png")
+    return [
+        f"wrote {element} (element mask of a row with {n_docs} documents)",
+        f"wrote {blocks} (its {block_mask.BLOCK_SIZE[0]}-token blocks: skipped, partial, full)",
+    ]
 
 
 def main(
@@ -271,7 +274,8 @@ def main(
     # -- picture ---------------------------------------------------------------------------------
     busiest = int(torch.as_tensor(layout.num_docs).argmax())
     print()
-    print("mask: " + _write_mask_png(batch.doc_ids[busiest], Path(out) / "mask.png"))
+    for line in _write_mask_pngs(batch.doc_ids[busiest], Path(out)):
+        print("mask: " + line)
     return 0 if ok else 1
 
 

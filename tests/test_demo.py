@@ -25,8 +25,8 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert diff and float(diff[1]) <= 1e-4, text
     assert re.search(r"packed \(flexpack\.attention\)\s+[\d.]+ s\s+[\d,]+ tokens/s", text)
     assert "packed gains" in text
-    png = tmp_path / "mask.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for name in ("mask.png", "block_mask.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_demo_fails_when_documents_leak(tmp_path, capsys, monkeypatch):
@@ -43,7 +43,7 @@ def test_demo_fails_when_documents_leak(tmp_path, capsys, monkeypatch):
 def test_demo_without_matplotlib_skips_the_png(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     assert demo.main(out=str(tmp_path), **SMALL) == 0
-    assert "skipped the mask PNG: matplotlib is not installed" in capsys.readouterr().out
+    assert "skipped the mask PNGs: matplotlib is not installed" in capsys.readouterr().out
     assert not (tmp_path / "mask.png").exists()
 
 

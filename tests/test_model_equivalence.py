@@ -6,12 +6,13 @@ gives the loss, gradients and updated weights of the unpacked samples under the 
 The negative control drops the document mask (plain causal attention over the packed row, what a
 packing collator without a mask gives) and checks that the same comparison fails by a wide margin.
 Everything runs on CPU with grad, i.e. through ``flexpack.attention``'s SDPA path; one test runs
-the no-grad path (compiled flex_attention on CPU).
+compiled flex_attention (``backend="flex"``, no grad) on CPU.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,9 +33,9 @@ def random_samples(seed: int, *, n: int = 12, min_len: int = 1) -> list[torch.Te
     return [torch.randint(0, CFG.vocab_size, (length,), generator=g) for length in lengths]
 
 
-def make_model(seed: int) -> GPT:
+def make_model(seed: int, config: GPTConfig = CFG) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(CFG)
+    model = GPT(config)
     with torch.no_grad():  # larger weights than the 0.02 init, so a leak between documents shows
         for p in model.parameters():
             if p.dim() > 1:
@@ -96,11 +97,11 @@ def test_packed_logits_equal_each_document_alone(seed):
 
 
 @pytest.mark.compile
-def test_packed_logits_equal_each_document_alone_no_grad():
-    """Without grad on CPU: flexpack.attention's compiled flex_attention path."""
+def test_packed_logits_equal_each_document_alone_flex():
+    """Without grad, backend="flex": compiled flex_attention with the BlockMask, on CPU."""
     batch, docs = pack(random_samples(0))
     with torch.no_grad():
-        assert_each_document_alone(make_model(0), batch, docs)
+        assert_each_document_alone(make_model(0, replace(CFG, attn_backend="flex")), batch, docs)
 
 
 @pytest.mark.parametrize("reduction", ["token", "document"])
