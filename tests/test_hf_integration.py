@@ -185,3 +185,15 @@ def test_clear_errors():
         packed_forward_kwargs({"input_ids": q})
     assert register() == "flexpack"
     assert "flexpack" in transformers.AttentionInterface._global_mapping
+
+
+def test_docs_integrations_blocks_run():
+    """docs/integrations.md stays true: its python blocks run as written."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert len(blocks) == 2
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"docs/integrations.md python block {i}", "exec"), {})
