@@ -106,6 +106,33 @@ def test_packed_rows_stay_exact_with_a_cache_or_a_padding_mask():
             torch.testing.assert_close(padded[r, a:b], want, atol=ATOL, rtol=0)
 
 
+def test_mistral_sliding_window_on_packed_rows():
+    """A model that passes sliding_window gets document & causal & window (window 8 < documents)."""
+    config = transformers.MistralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=8,
+        initializer_range=0.2,
+        attn_implementation=register(),
+    )
+    torch.manual_seed(7)
+    model = transformers.MistralForCausalLM(config).eval()
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    batch = flexpack.pack_sequences(samples(7), MAX_LEN)
+    docs = documents(batch.doc_ids)
+    assert max(b - a for _, a, b in docs) > 2 * config.sliding_window
+    with torch.no_grad():
+        packed = model(**packed_forward_kwargs(batch)).logits
+        for r, a, b in docs:
+            want = alone(reference, batch.input_ids[r, a:b])
+            torch.testing.assert_close(packed[r, a:b], want, atol=ATOL, rtol=0)
+
+
 def test_hf_loss_and_gradients_match_unpacked():
     model, reference = llama(2)
     model.train()
