@@ -177,7 +177,8 @@ def _prefix_flags(doc_ids: Tensor, prefix_lengths: Any) -> Tensor:
     pos = torch.arange(S, device=d.device).expand(B, S)
     starts = real & (d != prev)
     doc_start = torch.cummax(torch.where(starts, pos, 0), dim=-1).values
-    limit = torch.gather(pl, 1, torch.clamp(d, min=0))
+    # Padding reads the extra 0 column, which also keeps the gather valid when n == 0.
+    limit = torch.gather(torch.nn.functional.pad(pl, (0, 1)), 1, torch.where(real, d, n))
     return real & ((pos - doc_start) < limit)
 
 

@@ -21,9 +21,6 @@ from flexpack.testing import strategies as fst
 # Block sizes around the sizes drawn for S (<= 130), so S is often not a multiple of them.
 block_sizes = st.sampled_from([2, 3, 8, 16, 128])
 packed = fst.doc_ids(max_seq_len=130, block_size=16, allow_empty_rows=True)
-# prefix_lm over a batch of padding only (no document at all) crashes in flexpack.masks; see
-# test_prefix_lm_over_padding_only below. Draw at least one document for prefix_lm elsewhere.
-packed_with_docs = packed.filter(lambda d: bool((d >= 0).any()))
 arbitrary = fst.doc_ids(max_seq_len=130, block_size=16, contiguous=False, allow_empty_rows=True)
 
 # ------------------------------------------------------------------------------ numpy twins
@@ -139,7 +136,7 @@ def build_block_mask(mask: fm.Mask, S: int, block_size: int):
 def test_each_factory_matches_its_numpy_twin(kind, data):
     kinds = [kind]
     if kind == "prefix_lm":
-        d = data.draw(packed_with_docs)
+        d = data.draw(packed)
     else:
         d = data.draw(st.one_of(packed, arbitrary))
     spec = data.draw(leaf_specs(d, kinds))
@@ -148,7 +145,7 @@ def test_each_factory_matches_its_numpy_twin(kind, data):
 
 @given(data=st.data())
 def test_compositions_match_their_numpy_twins(data):
-    d = data.draw(packed_with_docs)
+    d = data.draw(packed)
     spec = data.draw(specs(d, depth=3))
     np.testing.assert_array_equal(element_mask(build(spec, d), d), np_twin(spec, d.numpy()))
 
@@ -167,8 +164,6 @@ def test_document_and_causal_normalize_in_either_order():
         np.testing.assert_array_equal(element_mask(m, d), np_twin(("document_causal",), d.numpy()))
 
 
-# Known bug, reported to the mask work: drop this marker once it passes (XPASS).
-@pytest.mark.xfail(raises=RuntimeError, reason="flexpack.masks: prefix_lm crashes with no document")
 def test_prefix_lm_over_padding_only():
     # A batch with no document at all: prefix_lengths is (B, 0); the mask allows nothing.
     d = torch.full((2, 5), -1)
@@ -182,7 +177,7 @@ def test_prefix_lm_over_padding_only():
 @pytest.mark.parametrize("kind", PRIMITIVES)
 @given(data=st.data())
 def test_each_primitive_block_mask_is_exactly_create_block_masks(kind, data):
-    d = data.draw(packed_with_docs if kind == "prefix_lm" else st.one_of(packed, arbitrary))
+    d = data.draw(packed if kind == "prefix_lm" else st.one_of(packed, arbitrary))
     spec = data.draw(leaf_specs(d, [kind]))
     block_size = data.draw(block_sizes)
     mask = build(spec, d)
@@ -210,7 +205,7 @@ def test_top_level_shortcuts(d, block_size):
 
 @given(data=st.data())
 def test_prefix_lm_shortcut(data):
-    d = data.draw(packed_with_docs)
+    d = data.draw(packed)
     p = data.draw(fst.prefix_lengths(d))
     block_size = data.draw(block_sizes)
     bm = flexpack.prefix_lm_mask(d, p, block_size=block_size)
@@ -229,7 +224,7 @@ def test_one_dimensional_doc_ids_give_a_shared_block_mask(data):
 
 @given(data=st.data())
 def test_composed_block_masks_are_exact_elementwise_and_never_looser(data):
-    d = data.draw(st.one_of(packed_with_docs, arbitrary))
+    d = data.draw(st.one_of(packed, arbitrary))
     mask = data.draw(fst.masks(d, max_depth=3))
     block_size = data.draw(block_sizes)
     S = d.shape[-1]
@@ -239,7 +234,7 @@ def test_composed_block_masks_are_exact_elementwise_and_never_looser(data):
 
 @given(data=st.data())
 def test_composed_block_masks_against_numpy_twins(data):
-    d = data.draw(packed_with_docs)
+    d = data.draw(packed)
     spec = data.draw(specs(d, depth=2))
     block_size = data.draw(block_sizes)
     bm = build_block_mask(build(spec, d), d.shape[-1], block_size)
