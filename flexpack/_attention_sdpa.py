@@ -3,9 +3,11 @@
 flex_attention has no CPU backward in torch 2.13, so training on CPU goes through
 ``scaled_dot_product_attention`` instead. Two exact paths:
 
-- per-document (``document`` / ``document_causal`` masks): tokens are gathered by document,
-  documents of equal length run as one batched SDPA call, outputs are scattered back. Work is
-  the sum over documents of ``L_i^2`` instead of ``S^2``, and no (S, S) mask is ever built.
+- per-document (``document`` / ``document_causal`` masks): one SDPA call per document on views
+  of the token stream when documents are contiguous runs (the packer's layout) and few; else
+  tokens are gathered by document, documents of equal length run as one batched SDPA call, and
+  outputs are scattered back. Work is the sum over documents of ``L_i^2`` instead of ``S^2``,
+  and no (S, S) mask is ever built.
 - dense (every other mask): the mask is evaluated into a (B, H, S, S) bool tensor and handed to
   SDPA. Rows with no allowed key are computed against all keys (so no NaN appears anywhere) and
   then zeroed, which also zeroes their gradients.
@@ -97,31 +99,61 @@ def cached_plan(kind: str, doc_ids: Tensor, B: int, build: Callable[[Tensor], _P
 
 
 @dataclass(frozen=True)
-class _LengthRuns:
-    """Tokens reordered so that documents of equal length are adjacent (per-document SDPA).
+class _SdpaPlan:
+    """How the per-document path cuts a (B, S) layout into SDPA calls.
 
-    perm: (T,) positions in the flattened (B * S,) stream; runs: (length, count) per run.
+    Two strategies, both exact:
+
+    - "split" (documents are contiguous runs, and not many): the head-major token stream is cut
+      into consecutive runs with one ``torch.split``; each document is one SDPA call on a view
+      and padding runs become zeros. No gather, no scatter. ``sizes`` are the run lengths in
+      stream order and ``is_doc`` tells documents from padding.
+    - "gather" (otherwise): documents are reordered by length with one gather (``perm``, (T,)
+      positions in the flattened (B * S,) stream) so that equal lengths form one batched call per
+      (length, count) in ``runs``; one index_copy scatters the outputs back.
     """
 
-    perm: Tensor
+    strategy: str
+    sizes: list[int]
+    is_doc: list[bool]
+    perm: Tensor | None
     runs: list[tuple[int, int]]
 
 
-def _length_runs(doc_ids: Tensor) -> _LengthRuns:
+# Below this many documents per call, one SDPA call per document (views, no copies) beats
+# gathering documents of equal length into batched calls (measured on CPU, bench/attention.py).
+_SPLIT_MAX_DOCS = 32
+
+
+def _sdpa_plan(doc_ids: Tensor) -> _SdpaPlan:
     groups = document_groups(doc_ids)
+    n_docs = groups.seqlens.numel()
+    # Runs of the flattened stream: a new run starts at each row start and wherever the id
+    # changes (all negative ids are one kind, padding).
+    ids = doc_ids.long().clamp(min=-1).reshape(-1)
+    S = doc_ids.shape[1]
+    start = torch.ones_like(ids, dtype=torch.bool)
+    start[1:] = ids[1:] != ids[:-1]
+    start[::S] = True
+    starts = torch.nonzero(start).squeeze(1)
+    sizes = torch.diff(starts, append=starts.new_full((1,), ids.numel()))
+    is_doc = ids[starts] >= 0
+    contiguous = int(is_doc.sum()) == n_docs  # every document is exactly one run
+    lens_sorted, doc_perm = torch.sort(groups.seqlens, stable=True)
+    run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
+    if contiguous and (n_docs <= _SPLIT_MAX_DOCS or n_docs <= 2 * run_lens.numel()):
+        return _SdpaPlan("split", sizes.tolist(), is_doc.tolist(), None, [])
     # Reorder the documents by length so that documents of equal length are adjacent: then one
     # gather (index_select) puts every token where its batched SDPA call wants it, the calls take
     # contiguous slices, and one index_copy scatters the outputs back. (Gathering per call instead
     # costs a full-size zero-fill + scatter per call in the backward.)
-    lens_sorted, doc_perm = torch.sort(groups.seqlens, stable=True)
     starts_sorted = groups.cu_seqlens[:-1].long()[doc_perm]
     before = torch.cumsum(lens_sorted, 0) - lens_sorted  # new start of each document
     T = groups.order.numel()
     within = torch.arange(T, device=doc_ids.device) - torch.repeat_interleave(before, lens_sorted)
     perm = groups.order[torch.repeat_interleave(starts_sorted, lens_sorted) + within]  # (T,)
-    # One host sync for the run lengths, instead of one per document.
-    run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
-    return _LengthRuns(perm, list(zip(run_lens.tolist(), run_counts.tolist(), strict=True)))
+    runs = list(zip(run_lens.tolist(), run_counts.tolist(), strict=True))
+    return _SdpaPlan("gather", [], [], perm, runs)
 
 
 def _tokens(x: Tensor) -> Tensor:
@@ -151,7 +183,7 @@ def per_document_sdpa(
     scale: float | None,
     enable_gqa: bool,
 ) -> Tensor:
-    """Attention restricted to each document, one SDPA call per distinct document length.
+    """Attention restricted to each document: one SDPA call per document, or per length.
 
     Args:
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D).
@@ -163,18 +195,34 @@ def per_document_sdpa(
         (B, Hq, S, D), 0 on padding tokens.
     """
     B, Hq, S, D = q.shape
-    plan = cached_plan("sdpa", doc_ids, B, _length_runs)
-    perm, runs = plan.perm, plan.runs
-    # Head-major (H, B * S, D): free for B == 1, and every (document, head) block of the gathered
-    # tensor is a contiguous (L, D) matrix, the layout SDPA's CPU kernel is fastest on.
-    qs, ks, vs = (_heads(x).index_select(1, perm) for x in (q, k, v))  # (H, T, D)
-
-    # One split per tensor (its backward is a single cat; slicing per call would zero-fill a
-    # full-size gradient per call).
-    sizes = [length * count for length, count in runs]
+    plan = cached_plan("sdpa", doc_ids, B, _sdpa_plan)
+    # Head-major (H, B * S, D): free for B == 1, and every (document, head) block is a
+    # contiguous (L, D) matrix after the gather, the layout SDPA's CPU kernel is fastest on.
+    qh, kh, vh = (_heads(x) for x in (q, k, v))
     outs = []
+    if plan.strategy == "split":
+        # One split per tensor: its backward is a single cat (slicing per call would zero-fill
+        # a full-size gradient per call).
+        for qd, kd, vd, is_doc in zip(
+            *(torch.split(x, plan.sizes, dim=1) for x in (qh, kh, vh)), plan.is_doc, strict=True
+        ):
+            if is_doc:
+                od = F.scaled_dot_product_attention(
+                    qd[None], kd[None], vd[None], is_causal=causal, scale=scale,
+                    enable_gqa=enable_gqa,
+                )  # fmt: skip
+                outs.append(od[0])
+            else:
+                outs.append(qd.new_zeros(qd.shape))
+        out = torch.cat(outs, dim=1)
+        if not any(plan.is_doc):  # all padding: keep the graph, gradients are 0
+            out = out + 0.0 * (qh.sum() + kh.sum() + vh.sum())
+        return out.reshape(Hq, B, S, D).transpose(0, 1)
+
+    qs, ks, vs = (x.index_select(1, plan.perm) for x in (qh, kh, vh))  # (H, T, D)
+    sizes = [length * count for length, count in plan.runs]
     for (length, count), qd, kd, vd in zip(
-        runs, *(torch.split(x, sizes, dim=1) for x in (qs, ks, vs)), strict=True
+        plan.runs, *(torch.split(x, sizes, dim=1) for x in (qs, ks, vs)), strict=True
     ):
         qd, kd, vd = (
             x.reshape(x.shape[0], count, length, D).transpose(0, 1) for x in (qd, kd, vd)
@@ -185,7 +233,7 @@ def per_document_sdpa(
         outs.append(od.transpose(0, 1).reshape(Hq, count * length, D))
     out = q.new_zeros(Hq, B * S, D)
     if outs:
-        out = out.index_copy(1, perm, torch.cat(outs, dim=1))
+        out = out.index_copy(1, plan.perm, torch.cat(outs, dim=1))
     else:  # no real token at all: keep the graph so backward still runs (gradients are 0)
         out = out + 0.0 * (qs.sum() + ks.sum() + vs.sum())
     return out.reshape(Hq, B, S, D).transpose(0, 1)

@@ -119,6 +119,27 @@ def test_block_mask_from_flexpack_takes_the_per_document_path(dtype):
     check_against(ref, q, k, v, block_mask, pad=DOC_IDS < 0)
 
 
+@pytest.mark.parametrize(
+    ("doc_ids", "strategy"),
+    [
+        (DOC_IDS[:1], "split"),  # the packer's layout: one SDPA call per document, on views
+        (DOC_IDS, "gather"),  # row 1 repeats ids in separate runs: gather by document
+        # many short documents of few lengths: batched per length
+        (torch.arange(60).repeat_interleave(torch.tensor([1, 2, 3] * 20))[None], "gather"),
+    ],
+    ids=["packer", "repeated_ids", "many_short"],
+)
+def test_both_per_document_strategies(doc_ids, strategy):
+    from flexpack._attention_sdpa import _sdpa_plan
+
+    B, S = doc_ids.shape
+    assert _sdpa_plan(doc_ids).strategy == strategy
+    q, k, v = make_qkv(B, 4, 2, S, 8, torch.float32)
+    ref = lambda q, k, v: per_document_reference(q, k, v, doc_ids, causal=True)
+    mask = masks.document(doc_ids) & masks.causal()
+    check_against(ref, q, k, v, mask, enable_gqa=True, pad=doc_ids < 0)
+
+
 def test_one_row_mask_broadcasts_over_the_batch():
     doc_ids = torch.tensor([0, 0, 1, 1, 1, 2, -1])
     q, k, v = make_qkv(3, 2, 2, 7, 8, torch.float32)
@@ -215,15 +236,15 @@ def test_all_padding_gives_zero_output_and_gradients():
 
 
 def test_grouping_is_cached_per_doc_ids_tensor_and_never_stale():
-    from flexpack._attention_sdpa import _length_runs, cached_plan
+    from flexpack._attention_sdpa import _sdpa_plan, cached_plan
 
     doc_ids = torch.tensor([[0, 0, 1, 1, 1, -1]])
-    plan = cached_plan("sdpa", doc_ids, 2, _length_runs)
-    assert cached_plan("sdpa", doc_ids, 2, _length_runs) is plan  # next layer: reused
-    assert cached_plan("sdpa", doc_ids.clone(), 2, _length_runs) is not plan
+    plan = cached_plan("sdpa", doc_ids, 2, _sdpa_plan)
+    assert cached_plan("sdpa", doc_ids, 2, _sdpa_plan) is plan  # next layer: reused
+    assert cached_plan("sdpa", doc_ids.clone(), 2, _sdpa_plan) is not plan
     doc_ids[0, -1] = 1  # modified in place: rebuilt
-    fresh = cached_plan("sdpa", doc_ids, 2, _length_runs)
-    assert fresh is not plan and fresh.perm.numel() == 12
+    fresh = cached_plan("sdpa", doc_ids, 2, _sdpa_plan)
+    assert fresh is not plan and fresh.sizes == [2, 4, 2, 4] and fresh.is_doc == [True] * 4
 
 
 def test_varlen_plan_unpads_like_flash_attn():
