@@ -65,7 +65,7 @@ def register(name: str = NAME) -> str:
         ``name``.
 
     Raises:
-        ImportError: transformers is not installed.
+        ImportError: transformers is not installed, or older than 4.53.
 
     Example:
         >>> from flexpack.integrations.transformers import register
@@ -73,8 +73,15 @@ def register(name: str = NAME) -> str:
         'flexpack'
     """
     transformers = _import_transformers()
+    mask_interface = getattr(transformers, "AttentionMaskInterface", None)
+    if mask_interface is None:
+        raise ImportError(
+            f"flexpack's transformers integration needs transformers.AttentionMaskInterface "
+            f"(transformers >= 4.53), got transformers {transformers.__version__}; upgrade with "
+            "`pip install -U transformers`."
+        )
     transformers.AttentionInterface.register(name, flexpack_attention_forward)
-    transformers.AttentionMaskInterface.register(name, _pass_padding_mask)
+    mask_interface.register(name, _pass_padding_mask)
     return name
 
 
