@@ -20,9 +20,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from flexpack.attention import attention
+from flexpack.layout import PackedLayout
 from flexpack.masks import document_causal_mask
 
-__all__ = ["GPT", "GPTConfig", "position_ids_from_doc_ids"]
+__all__ = ["GPT", "GPTConfig"]
 
 
 @dataclass(frozen=True)
@@ -77,27 +78,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
-
-
-def position_ids_from_doc_ids(doc_ids: Tensor) -> Tensor:
-    """Positions that restart at 0 at every document of packed rows.
-
-    Args:
-        doc_ids: (B, S) integer; a document is a run of equal ids; negative ids mark padding.
-
-    Returns:
-        (B, S) int64: the index of each token inside its document, 0 on padding.
-
-    Example:
-        >>> position_ids_from_doc_ids(torch.tensor([[0, 0, 0, 1, 1, -1]]))
-        tensor([[0, 1, 2, 0, 1, 0]])
-    """
-    S = doc_ids.shape[-1]
-    idx = torch.arange(S, device=doc_ids.device).expand_as(doc_ids)  # (B, S)
-    starts = torch.ones_like(doc_ids, dtype=torch.bool)
-    starts[..., 1:] = doc_ids[..., 1:] != doc_ids[..., :-1]
-    first = torch.where(starts, idx, 0).cummax(dim=-1).values  # (B, S) start of each token's run
-    return torch.where(doc_ids >= 0, idx - first, 0)
 
 
 class RMSNorm(nn.Module):
@@ -256,7 +236,7 @@ class GPT(nn.Module):
                 mask = document_causal_mask(doc_ids)  # once per batch, shared by every layer
         if position_ids is None:
             if doc_ids is not None:
-                position_ids = position_ids_from_doc_ids(doc_ids)
+                position_ids = PackedLayout.from_doc_ids(doc_ids).position_ids  # restart per doc
             else:
                 position_ids = torch.arange(S, device=input_ids.device)[None]
         _check_int("position_ids", position_ids)
