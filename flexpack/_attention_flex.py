@@ -65,13 +65,15 @@ def flex(
         ) from err
 
 
-def varlen_available() -> bool:
-    """Whether torch ships ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10)."""
+@functools.cache
+def varlen_available(device: torch.device) -> bool:
+    """Whether ``varlen_attn`` runs on ``device``: torch >= 2.10 ships it, and its FlashAttention
+    kernels need a CUDA GPU of compute capability 8.0 (Ampere) or newer. Probed on first use."""
     try:
         from torch.nn.attention.varlen import varlen_attn  # noqa: F401
     except ImportError:
         return False
-    return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 VARLEN_DTYPES = (torch.float16, torch.bfloat16)

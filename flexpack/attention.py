@@ -173,8 +173,11 @@ def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str)
         if not per_document:
             what = "a foreign BlockMask" if spec.kind is None else f"a {spec.kind!r} mask"
             problems.append(f"it supports document and document_causal masks only (got {what})")
-        if not _attention_flex.varlen_available():
-            problems.append(f"torch {torch.__version__} has no torch.nn.attention.varlen")
+        if on_cuda and not _attention_flex.varlen_available(q.device):
+            problems.append(
+                f"it needs torch >= 2.10 (have {torch.__version__}) and a GPU of compute "
+                "capability >= 8.0"
+            )
         if problems:
             raise ValueError(
                 "backend='varlen' cannot run here: "
@@ -187,7 +190,7 @@ def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str)
         if (
             per_document
             and q.dtype in _attention_flex.VARLEN_DTYPES
-            and _attention_flex.varlen_available()
+            and _attention_flex.varlen_available(q.device)
         ):
             return "varlen"
         if spec.kind == "causal":
