@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             1000,
         )
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run)"
+    torch.set_float32_matmul_precision("highest")  # fp32 checks mean IEEE fp32, not TF32
     t0 = time.perf_counter()
     print(f"correctness on {name} (S={S_check}):", flush=True)
     checks = correctness(device, S=S_check, dry_run=args.dry_run)
