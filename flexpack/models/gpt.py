@@ -215,8 +215,11 @@ class GPT(nn.Module):
             >>> _ = torch.manual_seed(0)
             >>> model = GPT(GPTConfig(n_layer=1, n_embd=32))
             >>> ids = torch.randint(0, 256, (1, 8))
-            >>> model(ids, position_ids=torch.arange(8)[None]).shape
-            torch.Size([1, 8, 256])
+            >>> doc_ids = torch.tensor([[0, 0, 0, 1, 1, 1, 1, -1]])  # 2 documents, 1 padding
+            >>> packed = model(ids, doc_ids=doc_ids)  # (1, 8, 256)
+            >>> alone = model(ids[:, 3:7])  # the second document on its own: (1, 4, 256)
+            >>> torch.allclose(packed[:, 3:7], alone, atol=1e-5)
+            True
         """
         _check_int("input_ids", input_ids)
         if input_ids.dim() != 2:
