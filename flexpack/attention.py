@@ -7,8 +7,8 @@ device    path (``backend="auto"``)
 ========  ==========================================================================
 CUDA      document / document_causal masks in fp16/bf16: torch's varlen FlashAttention;
           causal alone: SDPA ``is_causal``; any other mask: compiled flex_attention
-CPU       document / document_causal masks: SDPA per document (measured 2x faster than
-          compiled flex in the forward, and flex has no CPU backward); causal alone: SDPA
+CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
+          flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
           ``is_causal``; other masks: compiled flex_attention at fixed shapes without
           grad, SDPA with a dense mask with grad
 ========  ==========================================================================
