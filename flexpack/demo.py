@@ -157,6 +157,10 @@ def main(
         tolerance: largest allowed absolute logit difference, packed vs alone.
         seed: seeds the packing order and the model weights.
 
+    Raises:
+        ValueError: ``num_docs``, ``batch_rows`` or ``repeats`` is not a positive int, or
+            ``max_len`` is not (from ``flexpack.pack``).
+
     Example:
         >>> import tempfile
         >>> with tempfile.TemporaryDirectory() as d:
@@ -168,6 +172,9 @@ def main(
     import flexpack
     from flexpack.models import GPT, GPTConfig
 
+    for name, value in (("batch_rows", batch_rows), ("repeats", repeats), ("num_docs", num_docs)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
     started = time.perf_counter()
     torch.manual_seed(seed)
     texts = load_corpus()[:num_docs]

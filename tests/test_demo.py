@@ -50,3 +50,9 @@ def test_demo_without_matplotlib_skips_the_png(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("text", ["", "héllo, wörld", "The Zen of Python"])
 def test_byte_tokenizer_round_trips(text):
     assert bytes(demo.tokenize_bytes(text).tolist()).decode("utf-8") == text
+
+
+@pytest.mark.parametrize("bad", [dict(num_docs=0), dict(batch_rows=0), dict(max_len=0)])
+def test_demo_rejects_bad_settings(bad, tmp_path):
+    with pytest.raises(ValueError):
+        demo.main(out=str(tmp_path), **{**SMALL, **bad})
