@@ -6,7 +6,7 @@ FlexAttention; ``attention`` runs them on any device; ``packed_cross_entropy`` k
 unbiased.
 """
 
-from flexpack.attention import attention
+from flexpack.attention import RecompileLimitError, attention
 from flexpack.batch import PackedBatch, pack_sequences
 from flexpack.layout import PackedLayout
 from flexpack.loss import packed_cross_entropy
@@ -20,6 +20,7 @@ __all__ = [
     "PackStats",
     "PackedBatch",
     "PackedLayout",
+    "RecompileLimitError",
     "attention",
     "document_causal_mask",
     "document_mask",
