@@ -69,7 +69,7 @@ def register(name: str = NAME) -> str:
 
     Example:
         >>> from flexpack.integrations.transformers import register
-        >>> register()  # doctest: +SKIP
+        >>> register()  # then: LlamaConfig(..., attn_implementation="flexpack")
         'flexpack'
     """
     transformers = _import_transformers()
