@@ -330,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="pack the bundled corpus and prove packed == per-document")
     demo.add_argument("--out", default="flexpack-demo", help="folder for the PNGs it writes")
+    demo.add_argument("--max-len", type=int, default=1024, help="tokens per packed row")
+    demo.add_argument("--docs", type=int, default=None, help="use only the first N documents")
     return parser
 
 
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "demo":
         from flexpack.demo import main as demo_main
 
-        return demo_main(out=args.out)
+        return demo_main(out=args.out, max_len=args.max_len, num_docs=args.docs)
     try:
         if args.command == "pack":
             return _cmd_pack(args)
