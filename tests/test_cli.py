@@ -124,11 +124,9 @@ def test_input_errors(tmp_path, capsys):
     assert "no column 'input_ids'" in capsys.readouterr().err
 
 
-def test_demo_still_delegates(tmp_path, monkeypatch):
-    calls = []
-    monkeypatch.setattr("flexpack.demo.main", lambda *, out: calls.append(out) or 0)
-    assert main(["demo", "--out", str(tmp_path)]) == 0
-    assert calls == [str(tmp_path)]
+def test_demo_runs_from_the_cli(tmp_path, capsys):
+    assert main(["demo", "--out", str(tmp_path), "--docs", "12", "--max-len", "256"]) == 0
+    assert "-> OK" in capsys.readouterr().out
 
 
 def test_docs_commands_run(tmp_path, monkeypatch, capsys):
