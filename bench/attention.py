@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from _machine import describe  # bench/ is on sys.path when run as a script
 
 import flexpack
 from flexpack import masks
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             f.write(
                 f"# Attention on CPU: flexpack vs SDPA (document-causal mask)\n\n"
-                f"- Date: {datetime.date.today()}; machine: 2-core CPU (shared, loaded); "
+                f"- Date: {datetime.date.today()}; machine: {describe()}; "
                 f"torch {torch.__version__}, {torch.get_num_threads()} threads\n"
                 f"- Command: `{cmd}` (whole run {time.perf_counter() - t_start:.0f} s)\n"
                 f"- B=1, H={args.heads}, D={args.head_dim}, {args.docs} documents per row "

@@ -29,11 +29,12 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import resource
 import subprocess
 import sys
 import time
+
+from _machine import describe  # bench/ is on sys.path when run as a script
 
 CONFIGS = [(4096, 1), (4096, 8), (16384, 1), (16384, 8), (65536, 1), (65536, 8)]
 METHODS = ("flexpack", "eager", "compiled")
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"# BlockMask construction: flexpack vs create_block_mask\n\n"
         f"- date: {datetime.date.today().isoformat()}\n"
-        f"- machine: 2-core CPU (shared, loaded), {platform.machine()}, torch "
+        f"- machine: {describe()}, torch "
         f"{__import__('torch').__version__}, one intra-op thread\n"
         f"- command: `python bench/block_mask.py{' --quick' if args.quick else ''}` "
         f"({elapsed:.0f} s)\n"

@@ -37,6 +37,8 @@ import numpy as np
 
 os.environ.setdefault("TQDM_DISABLE", "1")  # before tqdm is imported: no torchtune progress bar
 
+from _machine import describe  # bench/ is on sys.path when run as a script
+
 from flexpack import pack
 
 warnings.filterwarnings("ignore")
@@ -288,8 +290,8 @@ def main() -> None:
     report = [
         "# Packing benchmark",
         "",
-        f"Date: {datetime.date.today()}. Machine: 2-core CPU (shared, loaded): other jobs ran at "
-        "the same time, so absolute times are noisy; ratios are measured within one run.",
+        f"Date: {datetime.date.today()}. Machine: {describe()}; ratios are measured within one "
+        "run.",
         f"Command: `python bench/packing.py{' --write ' + args.write if args.write else ''}`",
         "",
     ]

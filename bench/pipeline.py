@@ -22,6 +22,7 @@ import tempfile
 import time
 
 import numpy as np
+from _machine import describe  # bench/ is on sys.path when run as a script
 
 MAX_LEN = 4096
 
@@ -233,8 +234,8 @@ def write_markdown(results: dict, cmd: str, path: str) -> None:
     lines = [
         "# Data pipeline benchmark",
         "",
-        f"{datetime.date.today().isoformat()}, 2-core CPU (shared, loaded: six sessions at once; "
-        "absolute times are noisy, compare within a table). Command: `" + cmd + "`.",
+        f"{datetime.date.today().isoformat()}, {describe()}; compare within a table. "
+        "Command: `" + cmd + "`.",
         "Lengths lognormal (median 300, sigma 1.0, clipped to [1, 4096]), max_len 4096.",
         "",
         f"## PackedDataset over {d['samples']:,} samples (Arrow list column)",
