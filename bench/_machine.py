@@ -5,15 +5,10 @@ import platform
 
 
 def describe() -> str:
-    """e.g. '2-core x86_64 CPU, load average 0.3 at start (torch 2.13.0+cpu)'.
+    """e.g. '2-core x86_64 CPU, load average 0.3 at start'.
 
     The load average says whether other jobs shared the cores: above ~0.5 per core, absolute
     times are noisy and only the ratios measured within the run count.
     """
-    import torch
-
     load = os.getloadavg()[0]
-    return (
-        f"{os.cpu_count()}-core {platform.machine()} CPU, load average {load:.1f} at start "
-        f"(torch {torch.__version__})"
-    )
+    return f"{os.cpu_count()}-core {platform.machine()} CPU, load average {load:.1f} at start"

@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                 "flexpack flex = compiled flex_attention, forward only (no CPU backward; "
                 "compiled before timing; BlockMask built once outside the timing, as a model "
                 "shares it across layers). SDPA causal is not a document mask (wrong across "
-                "documents): it is the speed anchor. The machine is shared by other jobs: "
-                "compare ratios within a size, not absolute times across runs.\n\n"
+                "documents): it is the speed anchor. CPU times: compare ratios within a size, "
+                "not absolute times across runs.\n\n"
                 f"{md}\n"
             )
     return 0
