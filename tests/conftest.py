@@ -1,4 +1,4 @@
-"""Shared test setup: hypothesis profiles.
+"""Shared test setup: hypothesis profiles and one dynamo setting.
 
 Pick one with ``FLEXPACK_HYPOTHESIS_PROFILE``: "ci" (default; few examples, derandomized, so CI
 is reproducible and fits its time budget) or "dev" (many random examples, for hunting bugs
@@ -7,6 +7,8 @@ locally: ``FLEXPACK_HYPOTHESIS_PROFILE=dev python -m pytest tests/properties``).
 
 import os
 
+import pytest
+import torch
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -26,3 +28,15 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("FLEXPACK_HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _room_for_every_test_shape():
+    """The suite compiles flex_attention at more fixed shapes than dynamo's default limit of 8.
+
+    A model does not (it feeds one row length), and flexpack.attention raises RecompileLimitError
+    when it would. One process running the whole suite (no xdist) would hit the limit through the
+    sum of the tests' shapes, so it is raised here; the test of the limit patches its own.
+    """
+    with torch._dynamo.config.patch(recompile_limit=64):
+        yield
