@@ -271,8 +271,9 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             return batch
 
         # Feeding the saved pieces again rebuilds the packer exactly (it is deterministic).
-        for k, _, _ in pending:
-            live[k] = live.get(k, 0) + 1
+        if self.strategy == "bfd":
+            for k, _, _ in pending:
+                live[k] = live.get(k, 0) + 1
         cursor.unfed = []  # from here on the packer holds the saved pieces
         for row in packer.push(pending):
             yield emit(row)
@@ -281,7 +282,9 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             pieces = self._pieces(k, tok)
             cursor.position = k + 1
             if pieces:
-                tokens[k], live[k] = tok, len(pieces)
+                tokens[k] = tok
+                if self.strategy == "bfd":  # only "bfd" frees by count; kept for it alone
+                    live[k] = len(pieces)
             for row in packer.push(pieces):
                 yield emit(row)
         for row in packer.flush():
