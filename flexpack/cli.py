@@ -92,11 +92,14 @@ def _read_jsonl(path: Path, column: str, labels_column: str | None, bar: bool) -
 def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Samples:
     for parts in (ids_parts, label_parts or []):
         for k, p in enumerate(parts):
-            # np.fromiter below would silently truncate floats: check each sample's first value
-            if not isinstance(p, list) or (p and type(p[0]) is not int):
+            # np.fromiter below would silently truncate floats (and read bools as 0/1): every
+            # value must be an int; set(map(type, ...)) checks them at C speed
+            kinds = set(map(type, p)) if isinstance(p, list) else set()
+            if not isinstance(p, list) or kinds - {int}:
+                got = ", ".join(sorted(t.__name__ for t in kinds - {int}))
                 raise CliError(
                     f"{where}: sample {k} must be a list of integer token ids; got "
-                    f"{type(p).__name__}{' of ' + type(p[0]).__name__ if p else ''}"
+                    f"{type(p).__name__}{' with ' + got if got else ''}"
                 )
     lengths = np.fromiter((len(p) for p in ids_parts), np.int64, len(ids_parts))
     offsets = np.zeros(len(ids_parts) + 1, dtype=np.int64)
@@ -115,6 +118,8 @@ def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Sampl
 
 def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Samples:
     pq = _import_pyarrow_parquet()
+    import pyarrow as pa
+
     try:
         names = pq.read_schema(path).names
     except Exception as e:  # pyarrow raises its own error types for unreadable files
@@ -127,8 +132,11 @@ def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Sample
 
     def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
         col = table.column(name).combine_chunks()
-        if not hasattr(col, "offsets"):
-            raise CliError(f"{path}: column {name!r} must be a list of token ids; got {col.type}")
+        if not hasattr(col, "offsets") or not pa.types.is_integer(col.type.value_type):
+            raise CliError(
+                f"{path}: column {name!r} must be a list of integer token ids; got {col.type}. "
+                "Tokenize it, or cast it to list<int64>."
+            )
         offsets = col.offsets.to_numpy().astype(np.int64)
         values = col.values.to_numpy(zero_copy_only=False)
         values = values[offsets[0] : offsets[-1]].astype(np.int64, copy=False)

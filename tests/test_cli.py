@@ -95,6 +95,8 @@ def test_stats_prints_every_strategy(tmp_path, capsys):
         ('{"tokens": [1]}\n', [], "no 'input_ids' field"),
         ("not json\n", [], "not valid JSON"),
         ('{"input_ids": [1.5]}\n', [], "list of integer token ids"),
+        ('{"input_ids": [1, 2.7]}\n', [], "list of integer token ids"),  # not just the first
+        ('{"input_ids": [1, true]}\n', [], "list of integer token ids"),
         ('{"input_ids": [1]}\n', ["--strategy", "nope"], None),
     ],
 )
@@ -142,3 +144,13 @@ def test_docs_commands_run(tmp_path, monkeypatch, capsys):
     for command in commands:
         assert main(shlex.split(command)[1:]) == 0, command
     assert (tmp_path / "packed.parquet").exists() and (tmp_path / "fill.png").exists()
+
+
+def test_parquet_float_tokens_are_an_error_not_truncated(tmp_path, capsys):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([[1.5, 2.0], [3.0]])}), src)
+    argv = ["pack", str(src), "--max-len", "4", "--out", str(tmp_path / "o.parquet")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "input_ids" in err and "double" in err and "integer" in err
+    assert not (tmp_path / "o.parquet").exists()
