@@ -150,6 +150,15 @@ def test_shard_rows_counts_and_coverage(tokens, world, shuffle, epoch):
             assert len(counts) == n - n % world
 
 
+def test_shard_rows_remainder_without_shuffle_is_the_documented_rows():
+    tokens = [1, 2, 3, 100, 200]
+    # "drop" leaves out the emptiest rows, "pad" repeats the fullest (as documented)
+    dropped = set(range(5)) - set(shard_rows(tokens, 3, remainder="drop").ravel().tolist())
+    assert dropped == {0, 1}
+    padded = Counter(shard_rows(tokens, 3, remainder="pad").ravel().tolist())
+    assert [r for r, c in padded.items() if c > 1] == [4]
+
+
 def test_sampler_every_row_once_equal_counts_epochs_differ():
     samples = make_samples(203, 32, seed=4)
     ds = PackedDataset(samples, 32)

@@ -81,6 +81,8 @@ def shard_rows(
         else:  # pad
             if n == 0:
                 raise ValueError("no rows to shard; the dataset is empty.")
+            if not shuffle:  # repeat the fullest rows
+                order = order[np.argsort(-tokens[order], kind="stable")]
             order = np.concatenate([order, np.resize(order, world_size - k)])
     keyed = order[np.argsort(-tokens[order], kind="stable")]
     groups = keyed.reshape(-1, world_size)  # (G, W): each row one group of similar rows
