@@ -75,3 +75,18 @@ def test_bad_input():
         pack_dataset([[1, 2]], 8)
     with pytest.raises(ValueError, match="max_len"):
         pack_dataset(ds, 0, column="tokens")
+
+
+def test_empty_input_keeps_the_columns():
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int64"))})
+    for rows in ([], [[], []]):
+        ds = datasets.Dataset.from_dict({"input_ids": rows}, features=features)
+        packed = pack_dataset(ds, 8)
+        assert len(packed) == 0
+        assert packed.column_names == [
+            "input_ids",
+            "labels",
+            "doc_ids",
+            "position_ids",
+            "num_tokens",
+        ]

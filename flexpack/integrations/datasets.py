@@ -143,6 +143,8 @@ def pack_dataset(
             "num_tokens": datasets.Value("int64"),
         }
     )
+    if plan.num_rows == 0:  # map() on no rows would drop the features: build the empty table
+        return datasets.Dataset.from_dict({k: [] for k in features}, features=features)
     rows = datasets.Dataset.from_dict({_ROW: np.arange(plan.num_rows, dtype=np.int64)})
     return rows.map(
         _build_rows,
