@@ -86,7 +86,13 @@ class SequenceSource:
         out = np.empty(len(s), dtype=np.int64)
         for i in range(len(s)):
             x = s[i]
-            if isinstance(x, (str, bytes, Mapping)) or not hasattr(x, "__len__"):
+            if isinstance(x, Mapping):  # as_tokens' "column=" hint is for streams, not lists
+                raise TypeError(
+                    f"samples[{i}] is a {type(x).__name__} with keys {sorted(x)[:8]}, expected a "
+                    'token sequence: pass [s["input_ids"] for s in samples], or a '
+                    "datasets.Dataset / pyarrow.Table of them with column=<token column>."
+                )
+            if isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
                 as_tokens(x, f"samples[{i}]")  # raises the TypeError
             if i == 0 or isinstance(x, np.ndarray):
                 as_tokens(x, f"samples[{i}]")  # dtype check: first sample and all arrays
