@@ -301,7 +301,7 @@ def pack(
 
     Raises:
         TypeError: non-integer lengths or max_len.
-        ValueError: negative lengths, ``max_len < 1``, unknown strategy or overflow, or
+        ValueError: negative lengths or seed, ``max_len < 1``, unknown strategy or overflow, or
             ``overflow="error"`` with samples longer than ``max_len``.
 
     Example:
@@ -323,6 +323,8 @@ def pack(
     )
     if seed is not None and not isinstance(seed, int | np.integer):
         raise TypeError(f"seed must be an int or None; got {seed!r}")
+    if seed is not None and seed < 0:  # numpy's Generator refuses it with a bare message
+        raise ValueError(f"seed must be >= 0; got {seed}. Pass a non-negative int or None.")
     if strategy == "bfd" and max_len > _BFD_MAX_LEN:
         raise ValueError(
             f"strategy='bfd' keeps a table over every free capacity 0..max_len, too large for "

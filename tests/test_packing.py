@@ -164,6 +164,8 @@ def test_plan_arrays_read_only():
         ({"overflow": "cut"}, ValueError, "unknown overflow 'cut'"),
         ({"max_docs_per_row": 0}, ValueError, "max_docs_per_row"),
         ({"seed": "x"}, TypeError, "seed"),
+        ({"seed": -1, "lengths": [5, 5, 5]}, ValueError, "seed must be >= 0; got -1"),
+        ({"seed": -1, "strategy": "greedy"}, ValueError, "seed must be >= 0; got -1"),
     ],
 )
 def test_bad_input(kwargs, exc, match):
