@@ -162,6 +162,14 @@ def test_shard_rows_remainder_without_shuffle_is_the_documented_rows():
     assert [r for r, c in padded.items() if c > 1] == [4]
 
 
+@pytest.mark.parametrize(("kwargs", "match"), [({"seed": -1}, "seed"), ({"epoch": -1}, "epoch")])
+def test_shard_rows_negative_seed_or_epoch_names_itself(kwargs, match):
+    with pytest.raises(ValueError, match=f"{match} must be an int >= 0, got -1"):
+        shard_rows([1, 2, 3, 4], 2, shuffle=True, **kwargs)
+    with pytest.raises(ValueError, match=f"{match} must be an int >= 0"):
+        shard_rows([1, 2, 3, 4], 2, shuffle=True, **{match: 1.5})
+
+
 def test_sampler_every_row_once_equal_counts_epochs_differ():
     samples = make_samples(203, 32, seed=4)
     ds = PackedDataset(samples, 32)

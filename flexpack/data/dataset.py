@@ -58,6 +58,9 @@ def shard_rows(
     """
     world_size = check_positive_int("world_size", world_size)
     check_choice("remainder", remainder, _REMAINDERS)
+    for name, value in (("seed", seed), ("epoch", epoch)):  # numpy's message names neither
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}; pass e.g. {name}=0.")
     tokens = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
     n = len(tokens)
     rng = np.random.default_rng([int(seed), int(epoch)])
