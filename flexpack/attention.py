@@ -279,6 +279,10 @@ def attention(
     B, Hq, S, _ = q.shape
 
     if path == "flex":
+        if not torch.is_grad_enabled():
+            # flex_attention rejects CPU inputs that require grad even under no_grad, where no
+            # graph is recorded anyway.
+            q, k, v = q.detach(), k.detach(), v.detach()
         block_mask = spec.block_mask
         if block_mask is None:
             Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1

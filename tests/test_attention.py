@@ -378,6 +378,18 @@ def test_compiled_flex_matches_reference_without_recompiling_for_new_layouts():
 
 
 @pytest.mark.compile
+def test_flex_under_no_grad_accepts_inputs_that_require_grad():
+    # flex_attention rejects CPU inputs with requires_grad even under no_grad (no graph is built
+    # there): evaluating with leaf tensors must not crash. Same shape as above: no new compile.
+    q, k, v = make_qkv(FLEX_B, FLEX_H, FLEX_H, FLEX_S, FLEX_D, torch.float32)
+    doc_ids = _random_layout(5)
+    with torch.no_grad():
+        out = flexpack.attention(q, k, v, flexpack.document_causal_mask(doc_ids), backend="flex")
+    want = per_document_reference(q.detach(), k.detach(), v.detach(), doc_ids, causal=True)
+    assert rel_err(out, want) < 1e-5 and not out.requires_grad
+
+
+@pytest.mark.compile
 def test_recompile_limit_raises_instead_of_running_eagerly():
     # With a limit of 1 compiled variant, the second distinct shape (at the latest) must raise
     # rather than fall back to eager flex_attention. Shapes unused elsewhere in the suite.
