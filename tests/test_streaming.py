@@ -282,3 +282,28 @@ def test_readers_cover_the_stream_exactly_once(lengths, strategy, buffer_size, w
             assert (row.doc_ids >= 0).sum() > 0  # no empty rows
             got.update(tokens_of(rows_of([row])))
     assert got == Counter(t for s in samples for t in s)
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "greedy", "wrap"])
+def test_per_sample_labels_are_kept(strategy):
+    # {"input_ids", "labels"} samples (e.g. -100 on the prompt) keep their labels, as
+    # pack_sequences does; they were silently replaced by the token ids (loss on the prompt).
+    samples = [
+        {"input_ids": [1, 2, 3, 4, 5, 6], "labels": [-100, -100, 3, 4, 5, 6]},
+        {"input_ids": [7, 8, 9], "labels": [-100, 8, 9]},
+        {"input_ids": [10, 11], "labels": [-100, -100]},
+    ]
+    ds = PackedIterableDataset(samples, 4, buffer_size=2, strategy=strategy, overflow="split")
+    label_of = {t: lab for s in samples for t, lab in zip(s["input_ids"], s["labels"], strict=True)}
+    seen = 0
+    for row in ds:
+        ids, labels, doc = row.input_ids[0], row.labels[0], row.doc_ids[0]
+        for j in range(4):
+            if doc[j] < 0:
+                continue
+            first = j == 0 or doc[j - 1] != doc[j]
+            assert labels[j] == (-100 if first else label_of[int(ids[j])])
+            seen += 1
+    assert seen == 11
+    with pytest.raises(ValueError, match="labels"):
+        list(PackedIterableDataset([{"input_ids": [1, 2], "labels": [1]}], 4, buffer_size=1))

@@ -202,9 +202,13 @@ def as_source(samples: Any, column: str | None) -> SequenceSource | ArrowSource 
 
 
 def assemble_rows(
-    pieces: Sequence[Sequence[np.ndarray]], max_len: int, pad_id: int
+    pieces: Sequence[Sequence[np.ndarray]],
+    max_len: int,
+    pad_id: int,
+    given_labels: Sequence[Sequence[np.ndarray | None]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows from per-row lists of document token arrays.
+    """Rows from per-row lists of document token arrays (and optional per-piece labels, same
+    nesting, None where a piece has none: its tokens are used).
 
     Returns ``input_ids`` (R, max_len) int64 (``pad_id`` on padding), ``labels`` (R, max_len) int64
     (unshifted copy of input_ids, -100 on padding and on the first token of every document) and
@@ -220,7 +224,8 @@ def assemble_rows(
             n = len(tok)
             assert pos + n <= max_len, "row overflow: the plan and the tokens disagree"
             input_ids[r, pos : pos + n] = tok
-            labels[r, pos + 1 : pos + n] = tok[1:]
+            given = None if given_labels is None else given_labels[r][d]
+            labels[r, pos + 1 : pos + n] = (tok if given is None else given)[1:]
             doc_ids[r, pos : pos + n] = d
             pos += n
     return input_ids, labels, doc_ids

@@ -58,7 +58,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     use ``torchdata.stateful_dataloader.StatefulDataLoader``, which calls them in every worker.
 
     Args:
-        iterable: re-iterable of token sequences (or of dicts, with ``column``).
+        iterable: re-iterable of token sequences (or of dicts, with ``column``; a dict's
+            ``"labels"``, e.g. -100 on prompt tokens, are kept as given).
         max_len: row length S.
         buffer_size: samples held for best fit ("bfd"); must be >= 1.
         column: key of the token ids when the stream yields dicts (default ``"input_ids"``).
@@ -134,7 +135,10 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             stream = itertools.islice(iter(it), g + start * n, None, n)
             yield from zip(itertools.count(start), stream, strict=False)
 
-    def _tokens(self, k: int, sample: Any, g: int, n: int) -> Any:
+    def _tokens(self, k: int, sample: Any, g: int, n: int) -> tuple[Any, Any]:
+        """(token ids, per-sample labels or None) of stream item ``g + k * n``."""
+        where = f"stream item {g + k * n}"
+        labels = sample.get("labels") if isinstance(sample, Mapping) else None
         if self.column is None and isinstance(sample, Mapping) and "input_ids" in sample:
             sample = sample["input_ids"]  # rows of a datasets.Dataset / tokenizer output
         elif self.column is not None:
@@ -145,7 +149,15 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                     "column that holds the token ids."
                 )
             sample = sample[self.column]
-        return as_tokens(sample, f"stream item {g + k * n}")
+        ids = as_tokens(sample, where)
+        if labels is not None:
+            labels = as_tokens(labels, f"labels of {where}")
+            if len(labels) != len(ids):
+                raise ValueError(
+                    f"{where} has {len(ids)} input_ids but {len(labels)} labels; they must have "
+                    "the same length."
+                )
+        return ids, labels
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -240,11 +252,14 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     def _run(self, cursor: _Cursor, pending: list) -> Iterator[Any]:
         g, n, position, packer = cursor.g, cursor.n, cursor.position, cursor.packer
         tokens: dict[int, Any] = {}
+        labels: dict[int, Any] = {}  # per-sample labels of the samples in ``tokens`` that have them
         need = {p[0] for p in pending}
         if need:  # re-read the buffered samples of the saved state
             for k, sample in self._samples(g, n, min(need)):
                 if k in need:
-                    tokens[k] = self._tokens(k, sample, g, n)
+                    tokens[k], lab = self._tokens(k, sample, g, n)
+                    if lab is not None:
+                        labels[k] = lab
                     need.discard(k)
                 if not need or k >= position:
                     break
@@ -257,16 +272,19 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
 
         def emit(row: list[tuple[int, int, int]]) -> Any:
             pieces = [[tokens[k][s:e] for k, s, e in row]]
-            batch = to_packed_batch(*assemble_rows(pieces, self.max_len, self.pad_id))
+            given = [[labels[k][s:e] if k in labels else None for k, s, e in row]]
+            batch = to_packed_batch(*assemble_rows(pieces, self.max_len, self.pad_id, given))
             if self.strategy == "bfd":  # pieces are never cut further: count them
                 for k, _, _ in row:
                     live[k] -= 1
                     if not live[k]:
                         del live[k], tokens[k]
+                        labels.pop(k, None)
             else:  # the open row and the queue hold the only pieces still needed
                 keep = {k for k, _, _ in packer.pending()}
                 for k in {k for k, _, _ in row} - keep:
                     del tokens[k]
+                    labels.pop(k, None)
             cursor.rows += 1
             return batch
 
@@ -278,11 +296,13 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         for row in packer.push(pending):
             yield emit(row)
         for k, sample in self._samples(g, n, position):
-            tok = self._tokens(k, sample, g, n)
+            tok, lab = self._tokens(k, sample, g, n)
             pieces = self._pieces(k, tok)
             cursor.position = k + 1
             if pieces:
                 tokens[k] = tok
+                if lab is not None:
+                    labels[k] = lab
                 if self.strategy == "bfd":  # only "bfd" frees by count; kept for it alone
                     live[k] = len(pieces)
             for row in packer.push(pieces):
