@@ -88,6 +88,8 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
             f"{name} is empty (shape {tuple(doc_ids.shape)}); a mask needs at least one row of "
             f"at least one token."
         )
+    if not doc_ids.dtype.is_signed:  # uint8, ...: valid ids, but -1 (padding) must fit
+        doc_ids = doc_ids.to(torch.int64)
     return doc_ids if doc_ids.dim() == 2 else doc_ids[None]
 
 

@@ -8,6 +8,7 @@ from torch.nn.attention.flex_attention import and_masks, create_block_mask, or_m
 
 import flexpack
 from flexpack import masks
+from flexpack.testing import assert_block_mask_matches
 
 D = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 1, 1, 1, 1, 1, 1, -1]], dtype=torch.int32)
 
@@ -110,6 +111,14 @@ def test_shortcuts_live_on_doc_ids_device_and_dtype_free() -> None:
         assert bm.kv_indices.device == D.device
     bm = flexpack.prefix_lm_mask(torch.tensor([0, 0, 1]), torch.tensor([1, 1]), block_size=2)
     assert bm.shape == (1, 1, 3, 3)
+
+
+def test_unsigned_doc_ids_are_ids_like_any_other() -> None:
+    # Unsigned ids cannot mark padding, but are valid ids (equality semantics).
+    d = torch.tensor([[0, 0, 7, 7, 200]])
+    for dtype in (torch.uint8, torch.uint16, torch.uint32):
+        m = masks.document(d.to(dtype)) & masks.causal()
+        assert_block_mask_matches(m.block_mask(block_size=2), masks.document(d) & masks.causal())
 
 
 # ----------------------------------------------------------------------------- bad input
