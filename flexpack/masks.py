@@ -117,6 +117,13 @@ def _check_window(window: Any) -> int:
     return window
 
 
+def _same_device(want: torch.device, have: torch.device) -> bool:
+    """Whether ``want`` names ``have``'s device: no index means any ("cuda" for "cuda:0")."""
+    if want.type != have.type:
+        return False
+    return want.type == "cpu" or want.index is None or want.index == have.index
+
+
 def _prefix_flags(doc_ids: Tensor, prefix_lengths: Any) -> Tensor:
     """Validate prefix-LM inputs and return (B, S) bool: token lies in its document's prefix."""
     if not isinstance(prefix_lengths, Tensor):
@@ -466,7 +473,7 @@ class Mask:
                         f"unset or pass doc ids covering all {value} positions (-1 for padding)."
                     )
             q_len = kv_len = S
-            if device is not None and torch.device(device) != doc_ids.device:
+            if device is not None and not _same_device(torch.device(device), doc_ids.device):
                 raise ValueError(
                     f"device={device} but the mask's doc_ids live on {doc_ids.device}; move the "
                     f"doc ids (doc_ids.to(device)) before building the mask."

@@ -196,6 +196,8 @@ def test_mismatched_devices_and_layouts() -> None:
         masks.document(torch.zeros(5, dtype=torch.int32)) | masks.padding(D)
     with pytest.raises(ValueError, match="device"):
         masks.document(D).block_mask(device="meta")
+    # The same device spelled without (or with) an index is the same device ("cuda" = "cuda:0").
+    assert masks.document(D).block_mask(device="cpu:0").kv_num_blocks.device == D.device
 
 
 def test_bad_block_mask_arguments() -> None:
