@@ -489,6 +489,11 @@ class Mask:
             if q_len <= 0 or kv_len <= 0:
                 raise ValueError(f"Q_LEN and KV_LEN must be positive, got {q_len}, {kv_len}.")
             dev = torch.device(device) if device is not None else torch.get_default_device()
+        if B is not None and (isinstance(B, bool) or not isinstance(B, int) or B < 1):
+            raise ValueError(
+                f"B must be a positive int (the batch size), got {B!r}; leave B unset to use "
+                f"the doc ids' rows."
+            )
         if B is not None and B != rows and rows != 1:
             raise ValueError(
                 f"B={B} but the mask's doc_ids have {rows} rows; leave B unset or pass B={rows}."

@@ -207,5 +207,8 @@ def test_bad_block_mask_arguments() -> None:
         masks.document(D).block_mask(Q_LEN=9)
     with pytest.raises(ValueError, match="B=3"):
         masks.document(D).block_mask(B=3)
+    for bad_B in (0, -1, 2.0):  # silently gave a (0, ...) or a (1, ...) BlockMask
+        with pytest.raises(ValueError, match="B must be a positive int"):
+            masks.document(D[:1]).block_mask(B=bad_B)
     with pytest.raises(TypeError):
         masks.document(D) & flexpack.document_mask(D)
