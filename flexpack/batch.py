@@ -219,9 +219,12 @@ def _flatten(parts: list[Any], expected: np.ndarray, samples: np.ndarray, what: 
             )
     total = int(expected.sum())
     # Python lists (the common case, e.g. from a tokenizer) go through one C-level pass, twice as
-    # fast as converting each list. np.fromiter would silently truncate floats, so the first
-    # element of each list is checked to be an int.
-    if all(type(p) is list and (not p or type(p[0]) is int) for p in parts):
+    # fast as converting each list. np.fromiter would silently truncate floats: the first element
+    # of each list is checked to be an int, and a float anywhere makes the C-level sum a float
+    # (a fifth of the pass's cost), which sends the lists to the checked path below.
+    if all(type(p) is list and (not p or type(p[0]) is int) for p in parts) and isinstance(
+        sum(map(sum, parts)), int | np.integer
+    ):
         return np.fromiter(itertools.chain.from_iterable(parts), np.int64, total)
     arrays = [
         _to_array(p, f"{what}sequence {i}") for p, i in zip(parts, samples.tolist(), strict=True)

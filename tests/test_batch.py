@@ -125,6 +125,9 @@ def test_bad_sequences():
         pack_sequences([{"input_ids": [1, 2, 3], "labels": [1, 2]}], 8)
     with pytest.raises(TypeError, match="integer token ids"):
         pack_sequences([[1.5, 2.5]], 8)
+    # A float after an int first element must not be truncated silently (2.5 -> 2).
+    with pytest.raises(TypeError, match=r"sequence 0 .*integer token ids"):
+        pack_sequences([[1, 2.5, 3], [4, 5]], 8)
     with pytest.raises(TypeError, match="1-D token ids"):
         pack_sequences([torch.zeros(2, 2, dtype=torch.long)], 8)
     with pytest.raises(TypeError, match="sized"):
