@@ -105,6 +105,16 @@ def test_mask_of_round_trip() -> None:
     assert masks.mask_of(foreign) is None
 
 
+def test_mask_of_a_batch_slice_is_foreign() -> None:
+    # torch wraps the mask_mod of a batch slice (bm[1:2]) with a row offset; the flexpack Mask
+    # behind it holds every row's doc ids, so flexpack.attention must treat the slice as foreign
+    # rather than take a per-document path over the wrong rows.
+    d = torch.tensor([[0, 0, 0, 1, 1, 1, 2, 2], [0, 1, 2, 3, 4, 5, 6, 7]])
+    bm = flexpack.document_causal_mask(d, block_size=4)
+    assert masks.mask_of(bm) is not None
+    assert masks.mask_of(bm[1:2]) is None
+
+
 def test_shortcuts_live_on_doc_ids_device_and_dtype_free() -> None:
     for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
         bm = flexpack.document_mask(D.to(dtype), block_size=4)
