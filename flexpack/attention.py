@@ -127,7 +127,7 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
             f"q has {Hq} heads but k and v have {Hkv}; pass enable_gqa=True for grouped-query "
             "attention (or repeat k and v to the query heads)"
         )
-    if Hq % Hkv != 0:
+    if Hkv == 0 or Hq % Hkv != 0:
         raise ValueError(
             f"grouped-query attention needs the query heads ({Hq}) to be a multiple of the "
             f"key/value heads ({Hkv})"

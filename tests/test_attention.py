@@ -308,6 +308,7 @@ def _bad_inputs():
     return [
         ((q, kv2, kv2, mask), {}, ValueError, "pass enable_gqa=True"),
         ((q, kv3, kv3, mask), {"enable_gqa": True}, ValueError, "multiple of the key/value"),
+        ((q, kv2[:, :0], kv2[:, :0], mask), {"enable_gqa": True}, ValueError, r"heads \(0\)"),
         ((q[0], q[0], q[0], mask), {}, ValueError, r"must be 4-D \(B, H, S, D\)"),
         ((q, q[:, :, :5], q[:, :, :5], mask), {}, ValueError, "expected k and v of shape"),
         ((q.long(), q.long(), q.long(), mask), {}, TypeError, "floating-point"),
