@@ -272,6 +272,41 @@ def _assemble(
     )
 
 
+def _from_pieces(
+    pieces: Sequence[Sequence[np.ndarray]],
+    max_len: int,
+    *,
+    pad_id: int = 0,
+    labels: Sequence[Sequence[np.ndarray | None]] | None = None,
+) -> PackedBatch:
+    """Rows from per-row lists of token arrays, each piece one document in row order.
+
+    The same compiled pass as ``PackPlan.materialize``, for packers that hold their pieces
+    themselves (the streaming buffer, Ray's row groups). ``labels`` has the same nesting, None
+    where a piece has none (its tokens are used).
+    """
+    num_docs = np.array([len(row) for row in pieces], dtype=np.int64)
+    flat = [np.asarray(p, dtype=np.int64) for row in pieces for p in row]
+    lengths = np.array([len(p) for p in flat], dtype=np.int64)
+    assert all(sum(len(p) for p in row) <= max_len for row in pieces), "row over max_len"
+    seg = np.zeros((len(flat), 4), dtype=np.int64)
+    seg[:, 0] = np.repeat(np.arange(len(pieces)), num_docs)
+    seg[:, 1] = np.arange(len(flat))
+    seg[:, 3] = lengths
+    flat_ids = np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64)
+    flat_labels = None
+    if labels is not None and any(lab is not None for row in labels for lab in row):
+        flat_labels = np.concatenate(
+            [
+                np.asarray(p if lab is None else lab, dtype=np.int64)
+                for prow, lrow in zip(pieces, labels, strict=True)
+                for p, lab in zip(prow, lrow, strict=True)
+            ]
+        )
+    source = np.cumsum(lengths) - lengths
+    return _assemble(seg, num_docs, max_len, flat_ids, flat_labels, source, pad_id=pad_id)
+
+
 def pack_sequences(
     sequences: Sequence[Any], max_len: int, *, pad_id: int = 0, **pack_kwargs: Any
 ) -> PackedBatch:

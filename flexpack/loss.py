@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpack.batch import IGNORE_INDEX
+
 __all__ = ["packed_cross_entropy"]
 
-IGNORE_INDEX = -100
 _REDUCTIONS = ("token", "document")
 
 

@@ -1,21 +1,19 @@
-"""Shared pieces of the data pipeline: token sources, argument checks and row assembly.
+"""Shared pieces of the data pipeline: token sources and argument checks.
 
 A *source* wraps whatever holds the token sequences (a list, a numpy object array, an Arrow list
 column, a Hugging Face ``datasets.Dataset`` column) behind three operations: ``len``, ``lengths()``
 (all sequence lengths at once, cheaply: Arrow list offsets rather than one Python call per row) and
-``take(indices)`` (the token arrays of a few samples). Rows are assembled in numpy from *pieces*
-``(tokens, ...)`` in row order, following the PackedBatch conventions.
+``take(indices)`` (the token arrays of a few samples).
 """
 
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-IGNORE_INDEX = -100
 _TOKEN_KINDS = "iu"
 
 
@@ -199,62 +197,3 @@ def as_source(samples: Any, column: str | None) -> SequenceSource | ArrowSource 
             "a column of a datasets.Dataset or pyarrow.Table. Drop column=... for plain sequences."
         )
     return SequenceSource(samples)
-
-
-def assemble_rows(
-    pieces: Sequence[Sequence[np.ndarray]],
-    max_len: int,
-    pad_id: int,
-    given_labels: Sequence[Sequence[np.ndarray | None]] | None = None,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Rows from per-row lists of document token arrays (and optional per-piece labels, same
-    nesting, None where a piece has none: its tokens are used).
-
-    Returns ``input_ids`` (R, max_len) int64 (``pad_id`` on padding), ``labels`` (R, max_len) int64
-    (unshifted copy of input_ids, -100 on padding and on the first token of every document) and
-    ``doc_ids`` (R, max_len) int32 (0..n-1 per row, -1 on padding).
-    """
-    num_rows = len(pieces)
-    input_ids = np.full((num_rows, max_len), pad_id, dtype=np.int64)
-    labels = np.full((num_rows, max_len), IGNORE_INDEX, dtype=np.int64)
-    doc_ids = np.full((num_rows, max_len), -1, dtype=np.int32)
-    for r, docs in enumerate(pieces):
-        pos = 0
-        for d, tok in enumerate(docs):
-            n = len(tok)
-            assert pos + n <= max_len, "row overflow: the plan and the tokens disagree"
-            input_ids[r, pos : pos + n] = tok
-            given = None if given_labels is None else given_labels[r][d]
-            labels[r, pos + 1 : pos + n] = (tok if given is None else given)[1:]
-            doc_ids[r, pos : pos + n] = d
-            pos += n
-    return input_ids, labels, doc_ids
-
-
-def position_ids_of(doc_ids: np.ndarray) -> np.ndarray:
-    """(R, S) int64 positions restarting at 0 per document, 0 on padding; doc_ids (R, S) int."""
-    num_rows, width = doc_ids.shape
-    pos = np.zeros((num_rows, width), dtype=np.int64)
-    if width == 0:
-        return pos
-    start = np.ones((num_rows, width), dtype=bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    idx = np.broadcast_to(np.arange(width), (num_rows, width))
-    last_start = np.maximum.accumulate(np.where(start, idx, 0), axis=1)
-    pos = idx - last_start
-    pos[doc_ids < 0] = 0
-    return pos.astype(np.int64)
-
-
-def to_packed_batch(input_ids: np.ndarray, labels: np.ndarray, doc_ids: np.ndarray) -> Any:
-    """numpy rows -> flexpack.PackedBatch (tensors on CPU)."""
-    import torch
-
-    from flexpack.batch import PackedBatch
-    from flexpack.layout import PackedLayout
-
-    return PackedBatch(
-        input_ids=torch.from_numpy(input_ids),
-        labels=torch.from_numpy(labels),
-        layout=PackedLayout.from_doc_ids(torch.from_numpy(doc_ids)),
-    )

@@ -9,13 +9,8 @@ from typing import Any
 
 import torch
 
-from flexpack.data._common import (
-    as_tokens,
-    assemble_rows,
-    check_choice,
-    check_positive_int,
-    to_packed_batch,
-)
+from flexpack.batch import _from_pieces
+from flexpack.data._common import as_tokens, check_choice, check_positive_int
 from flexpack.data.dataset import _dist_default
 
 _STRATEGIES = ("bfd", "greedy", "wrap")
@@ -273,7 +268,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         def emit(row: list[tuple[int, int, int]]) -> Any:
             pieces = [[tokens[k][s:e] for k, s, e in row]]
             given = [[labels[k][s:e] if k in labels else None for k, s, e in row]]
-            batch = to_packed_batch(*assemble_rows(pieces, self.max_len, self.pad_id, given))
+            batch = _from_pieces(pieces, self.max_len, pad_id=self.pad_id, labels=given)
             if self.strategy == "bfd":  # pieces are never cut further: count them
                 for k, _, _ in row:
                     live[k] -= 1

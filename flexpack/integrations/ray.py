@@ -15,13 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from flexpack.data._common import (
-    ArrowSource,
-    assemble_rows,
-    check_positive_int,
-    position_ids_of,
-    split_list_array,
-)
+from flexpack.batch import _from_pieces
+from flexpack.data._common import ArrowSource, check_positive_int, split_list_array
 
 __all__ = ["pack_ray_dataset"]
 
@@ -53,13 +48,14 @@ def _block_pieces(table: Any, column: str, segs: np.ndarray) -> Any:
 def _assemble(group: dict[str, np.ndarray], *, max_len: int, pad_id: int) -> dict[str, Any]:
     order = np.argsort(group["slot"], kind="stable")
     pieces = [[np.asarray(group["tokens"][i], dtype=np.int64) for i in order]]
-    input_ids, labels, doc_ids = assemble_rows(pieces, max_len, pad_id)
+    batch = _from_pieces(pieces, max_len, pad_id=pad_id)
+    doc_ids = batch.doc_ids.numpy()
     return {
         "row": group["row"][:1].astype(np.int64),
-        "input_ids": input_ids,
-        "labels": labels,
+        "input_ids": batch.input_ids.numpy(),
+        "labels": batch.labels.numpy(),
         "doc_ids": doc_ids,
-        "position_ids": position_ids_of(doc_ids),
+        "position_ids": batch.position_ids.numpy(),
         "num_tokens": (doc_ids >= 0).sum(axis=1).astype(np.int64),
     }
 
