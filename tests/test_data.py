@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from _rows import docs_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,18 +20,6 @@ def make_samples(n: int, max_len: int, seed: int = 0) -> list[list[int]]:
     lengths = rng.integers(1, max_len + 1, size=n)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     return [list(range(int(s), int(s + n_))) for s, n_ in zip(starts, lengths, strict=True)]
-
-
-def docs_of(input_ids: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, ...]]:
-    """The documents of (R, S) rows as token tuples."""
-    out = []
-    for ids, docs in zip(input_ids.tolist(), doc_ids.tolist(), strict=True):
-        cur: dict[int, list[int]] = {}
-        for t, d in zip(ids, docs, strict=True):
-            if d >= 0:
-                cur.setdefault(d, []).append(t)
-        out.extend(tuple(v) for _, v in sorted(cur.items()))
-    return out
 
 
 def test_rows_hold_every_sample_once_with_contract_fields():

@@ -7,6 +7,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
+from _rows import docs_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -29,17 +30,6 @@ class Stream:
 
     def __iter__(self):
         return iter(self.items)
-
-
-def docs_of(input_ids: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, ...]]:
-    out = []
-    for ids, docs in zip(input_ids.tolist(), doc_ids.tolist(), strict=True):
-        cur: dict[int, list[int]] = {}
-        for t, d in zip(ids, docs, strict=True):
-            if d >= 0:
-                cur.setdefault(d, []).append(t)
-        out.extend(tuple(v) for _, v in sorted(cur.items()))
-    return out
 
 
 def rows_of(ds) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
