@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from flexpack.layout import PackedLayout
+
 CORPUS = Path(__file__).with_name("assets") / "corpus.jsonl"
 
 __all__ = ["load_corpus", "main", "tokenize_bytes"]
@@ -194,9 +196,8 @@ def main(
     batch = plan.materialize(samples)
     pack_ms, load_ms = (time.perf_counter() - t1) * 1e3, (t1 - t0) * 1e3
     layout = batch.layout
-    docs = [  # every document of the packed rows (long samples are split into max_len pieces)
-        batch.input_ids[r, a:b] for r, _, a, b in _doc_spans(batch.doc_ids)
-    ]
+    spans = _doc_spans(layout)
+    docs = [batch.input_ids[r, a:b] for r, a, b in spans]  # long samples: max_len pieces
     n = len(docs)
     padded_slots = n * max_len
     dyn_slots = sum(
@@ -234,9 +235,10 @@ def main(
             logits = model(
                 batch.input_ids[sl], position_ids=layout.position_ids[sl], doc_ids=batch.doc_ids[sl]
             )
-            for r, _, a, b in _doc_spans(batch.doc_ids[sl]):
-                alone = model(batch.input_ids[sl][r, a:b][None])[0]  # one document, no padding
-                worst = max(worst, (logits[r, a:b] - alone).abs().max().item())
+            for r, a, b in spans:
+                if sl.start <= r < sl.stop:
+                    alone = model(batch.input_ids[r, a:b][None])[0]  # one document, no padding
+                    worst = max(worst, (logits[r - sl.start, a:b] - alone).abs().max().item())
     ok = worst <= tolerance
     print(
         f"packed rows vs each of the {n} documents run alone: largest |logit difference| "
@@ -290,14 +292,12 @@ def main(
     return 0 if ok else 1
 
 
-def _doc_spans(doc_ids: Tensor) -> list[tuple[int, int, int, int]]:
-    """(row, doc, start, stop) of every document in (B, S) doc ids (-1 = padding), row-major."""
+def _doc_spans(layout: PackedLayout) -> list[tuple[int, int, int]]:
+    """(row, start, stop) of every document of a packer layout, row-major."""
     spans = []
-    for row, ids in enumerate(doc_ids.tolist()):
+    for row, lengths in enumerate(layout.row_seqlens):
         start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[start]:
-                if ids[start] >= 0:
-                    spans.append((row, ids[start], start, i))
-                start = i
+        for n in lengths:
+            spans.append((row, start, start + n))
+            start += n
     return spans
