@@ -1,4 +1,4 @@
-"""Helpers shared by the data-pipeline tests."""
+"""Reference helpers shared by tests: read documents off doc ids, independently of flexpack."""
 
 import torch
 
@@ -12,4 +12,17 @@ def docs_of(input_ids: torch.Tensor, doc_ids: torch.Tensor) -> list[tuple[int, .
             if d >= 0:
                 cur.setdefault(d, []).append(t)
         out.extend(tuple(v) for _, v in sorted(cur.items()))
+    return out
+
+
+def documents(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(row, start, stop) of every document, from (B, S) doc ids (-1 = padding)."""
+    out = []
+    for row, ids in enumerate(doc_ids.tolist()):
+        start = 0
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or ids[i] != ids[start]:
+                if ids[start] >= 0:
+                    out.append((row, start, i))
+                start = i
     return out

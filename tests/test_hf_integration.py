@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from _rows import documents
 
 import flexpack
 
@@ -51,19 +52,6 @@ def samples(seed: int, n: int = 10) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, MAX_LEN + 1, (n,), generator=g).tolist()
     return [torch.randint(0, 256, (length,), generator=g) for length in lengths]
-
-
-def documents(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    """(row, start, stop) of every document, from (B, S) doc ids (-1 = padding)."""
-    out = []
-    for row, ids in enumerate(doc_ids.tolist()):
-        start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[start]:
-                if ids[start] >= 0:
-                    out.append((row, start, i))
-                start = i
-    return out
 
 
 def alone(reference, tokens: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from _rows import documents
 
 import flexpack
 from flexpack.models import GPT, GPTConfig
@@ -43,22 +44,9 @@ def make_model(seed: int, config: GPTConfig = CFG) -> GPT:
     return model
 
 
-def documents(batch) -> list[tuple[int, int, int]]:
-    """(row, start, stop) of every document of a packed batch, read off its doc_ids."""
-    out = []
-    for row, ids in enumerate(batch.doc_ids.tolist()):
-        start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[start]:
-                if ids[start] >= 0:
-                    out.append((row, start, i))
-                start = i
-    return out
-
-
 def pack(samples):
     batch = flexpack.pack_sequences(samples, MAX_LEN)
-    docs = documents(batch)
+    docs = documents(batch.doc_ids)
     # The packed documents are exactly the samples (a packer bug would void the comparison).
     packed = sorted(tuple(batch.input_ids[r, a:b].tolist()) for r, a, b in docs)
     assert packed == sorted(tuple(s.tolist()) for s in samples)
