@@ -197,3 +197,16 @@ def as_source(samples: Any, column: str | None) -> SequenceSource | ArrowSource 
             "a column of a datasets.Dataset or pyarrow.Table. Drop column=... for plain sequences."
         )
     return SequenceSource(samples)
+
+
+def row_columns(batch: Any) -> dict[str, np.ndarray]:
+    """A PackedBatch's rows as the columns packed datasets store: the four (R, S) tensors as
+    numpy, and ``num_tokens`` (R,) int64, the real tokens per row (the sampler's balance)."""
+    doc_ids = batch.doc_ids.numpy()
+    return {
+        "input_ids": batch.input_ids.numpy(),
+        "labels": batch.labels.numpy(),
+        "doc_ids": doc_ids,
+        "position_ids": batch.position_ids.numpy(),
+        "num_tokens": (doc_ids >= 0).sum(axis=1).astype(np.int64),
+    }

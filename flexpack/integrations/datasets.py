@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from flexpack.data._common import HFSource, check_positive_int
+from flexpack.data._common import HFSource, check_positive_int, row_columns
 
 __all__ = ["pack_dataset"]
 
@@ -28,25 +28,16 @@ def _build_rows(batch: dict[str, list[int]], *, source: HFSource, plan: Any, pad
 
     rows = np.asarray(batch[_ROW], dtype=np.int64)
     seg, off = plan.segments, plan.row_offsets
-    parts = [seg[off[r] : off[r + 1]] for r in rows]
-    need = np.unique(np.concatenate([p[:, 1] for p in parts]))
-    num_tokens = np.array([int((p[:, 3] - p[:, 2]).sum()) for p in parts], dtype=np.int64)
+    need = np.unique(np.concatenate([seg[off[r] : off[r + 1], 1] for r in rows]))
     fetched = _Fetched(len(plan.lengths), dict(zip(need.tolist(), source.take(need), strict=True)))
-    out = plan.materialize(fetched, rows.tolist(), pad_id=pad_id)
-    max_len = plan.max_len
-
-    def fixed(t: Any, typ: Any) -> Any:  # (R, S) tensor -> Arrow fixed_size_list, no Python lists
-        return pa.FixedSizeListArray.from_arrays(pa.array(t.numpy().ravel(), typ), max_len)
-
-    return pa.table(
-        {
-            "input_ids": fixed(out.input_ids, pa.int32()),
-            "labels": fixed(out.labels, pa.int32()),
-            "doc_ids": fixed(out.doc_ids, pa.int32()),
-            "position_ids": fixed(out.position_ids, pa.int32()),
-            "num_tokens": pa.array(num_tokens, pa.int64()),
-        }
-    )
+    cols = row_columns(plan.materialize(fetched, rows.tolist(), pad_id=pad_id))
+    num_tokens = pa.array(cols.pop("num_tokens"), pa.int64())
+    # (R, S) arrays -> Arrow fixed_size_list int32, no Python lists
+    fixed = {
+        k: pa.FixedSizeListArray.from_arrays(pa.array(v.ravel(), pa.int32()), plan.max_len)
+        for k, v in cols.items()
+    }
+    return pa.table({**fixed, "num_tokens": num_tokens})
 
 
 def pack_dataset(

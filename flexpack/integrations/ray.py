@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from flexpack.batch import _from_pieces
-from flexpack.data._common import ArrowSource, check_positive_int, split_list_array
+from flexpack.data._common import ArrowSource, check_positive_int, row_columns, split_list_array
 
 __all__ = ["pack_ray_dataset"]
 
@@ -48,15 +48,9 @@ def _block_pieces(table: Any, column: str, segs: np.ndarray) -> Any:
 def _assemble(group: dict[str, np.ndarray], *, max_len: int, pad_id: int) -> dict[str, Any]:
     order = np.argsort(group["slot"], kind="stable")
     pieces = [[np.asarray(group["tokens"][i], dtype=np.int64) for i in order]]
-    batch = _from_pieces(pieces, max_len, pad_id=pad_id)
-    doc_ids = batch.doc_ids.numpy()
     return {
         "row": group["row"][:1].astype(np.int64),
-        "input_ids": batch.input_ids.numpy(),
-        "labels": batch.labels.numpy(),
-        "doc_ids": doc_ids,
-        "position_ids": batch.position_ids.numpy(),
-        "num_tokens": (doc_ids >= 0).sum(axis=1).astype(np.int64),
+        **row_columns(_from_pieces(pieces, max_len, pad_id=pad_id)),
     }
 
 
