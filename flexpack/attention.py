@@ -234,7 +234,9 @@ def attention(
             ...) or a BlockMask (``flexpack.document_causal_mask(doc_ids)``, or one of your own
             from ``create_block_mask``), for (S, S) and batch size 1 or B, on q's device.
             flexpack masks let the call pick per-document kernels; a foreign BlockMask runs on
-            the "flex" backend, or on "sdpa" through its dense twin.
+            the "flex" backend, or on "sdpa" through its dense twin. On the flex path a Mask is
+            turned into a BlockMask on every call: in a model, build ``mask.block_mask()`` (or
+            ``flexpack.document_causal_mask``) once per batch and pass it to every layer.
         scale: softmax scale; default ``1 / sqrt(D)``.
         enable_gqa: allow Hkv < Hq (grouped-query attention).
         backend: "auto" (default) picks the fastest path that supports the mask, device and
