@@ -84,6 +84,11 @@ def test_save_load_round_trip_disk_backed_and_num_proc(samples, tmp_path):
     assert torch.equal(batch.labels, ref.labels)
     served = PackedDataset(again.select(range(len(again) - 1, -1, -1)), 48)
     assert torch.equal(served[0].input_ids, ref.input_ids[-1:])
+    # no indices mapping: workers read the memory-mapped buffers zero-copy, same rows
+    plain = datasets.load_from_disk(tmp_path / "src")
+    direct = pack_dataset(plain, 48, num_proc=2, batch_size=16)
+    ref = pack([len(s) for s in samples], 48).materialize(samples)
+    assert torch.equal(collate(list(direct), max_len=48).labels, ref.labels)
 
 
 def test_no_more_rows_than_chunked_packing():

@@ -8,6 +8,7 @@ column, a Hugging Face ``datasets.Dataset`` column) behind three operations: ``l
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -338,6 +339,39 @@ class HFSource:
         self.value_range = (lo, hi)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_views", None)  # numpy views of memory-mapped buffers: rebuilt per process
+        return state
+
+    def flat_views(self, column: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
+        """Zero-copy access to a column's tokens where the dataset allows it (no indices
+        mapping, integer values without nulls): ``(chunk_of (N,) int64, start_of (N,) int64,
+        values)``, sample i's tokens being ``values[chunk_of[i]][start_of[i]:][:length]``.
+        The values are numpy views of the (memory-mapped) Arrow buffers: reading a sample's
+        tokens touches only its pages. None when not possible (then use ``take_table``)."""
+        views = self.__dict__.setdefault("_views", {})
+        if column not in views:
+            views[column] = self._make_views(column)
+        return views[column]
+
+    def _make_views(self, column: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
+        if self.ds._indices is not None:
+            return None
+        chunks = _chunks(self.ds.data.column(column))
+        values, chunk_of, start_of = [], [], []
+        for c, chunk in enumerate(chunks):
+            try:
+                values.append(chunk.values.to_numpy(zero_copy_only=True))
+            except Exception:  # nulls, or a type numpy cannot view: take instead
+                return None
+            off = np.asarray(chunk.offsets, dtype=np.int64)[:-1]
+            start_of.append(off)
+            chunk_of.append(np.full(len(off), c, dtype=np.int64))
+        if not values:
+            return None
+        return np.concatenate(chunk_of), np.concatenate(start_of), values
+
     def take_table(self, indices: np.ndarray) -> Any:
         """A pyarrow Table of samples ``indices``: the token column, then the labels column."""
         return self.ds[[int(i) for i in indices]]
@@ -356,6 +390,31 @@ class HFSource:
             return tokens
         labs = split_list_array(tbl.column(self.labels_column))
         return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labs, strict=True)]
+
+
+@functools.cache
+def _copy_kernel() -> Any:
+    """A compiled copy of many token runs (numba, compiled on first use and cached on disk,
+    like flexpack._kernels): ``out[dst[j]:][:n[j]] = values[src[j]:][:n[j]]``."""
+    from numba import njit
+
+    @njit(cache=True, nogil=True)
+    def copy_runs(values, src, dst, lengths, out):  # pragma: no cover - compiled
+        for j in range(src.shape[0]):
+            s = src[j]
+            d = dst[j]
+            for k in range(lengths[j]):
+                out[d + k] = values[s + k]
+
+    return copy_runs
+
+
+def copy_runs(
+    values: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, out: np.ndarray
+) -> None:
+    """Copy run j, ``values[src[j]:src[j] + lengths[j]]``, to ``out[dst[j]:...]`` (cast to
+    ``out``'s dtype); one compiled pass, no temporaries the size of the tokens."""
+    _copy_kernel()(values, src, dst, lengths, out)
 
 
 def as_source(

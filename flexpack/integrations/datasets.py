@@ -30,6 +30,7 @@ import numpy as np
 from flexpack.data._common import (
     HFSource,
     check_positive_int,
+    copy_runs,
     flat_list_array,
     row_columns,
 )
@@ -48,19 +49,40 @@ def _segments_of(plan: Any, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return plan.segments[idx], counts
 
 
+def _gather(
+    source: HFSource, column: str, seg: np.ndarray, starts: np.ndarray, dtype: str
+) -> np.ndarray:
+    """(T,) tokens of the segments ``seg`` back to back, ``starts`` (m,) each one's first
+    output position. Zero-copy reads of the source's buffers, one fancy index per Arrow chunk;
+    an Arrow take where the dataset has an indices mapping."""
+    seqlens = seg[:, 3] - seg[:, 2]
+    total = int(seqlens.sum())
+    views = source.flat_views(column)
+    if views is None:
+        need, inv = np.unique(seg[:, 1], return_inverse=True)
+        offsets, values = flat_list_array(source.take_table(need).column(column))
+        src = offsets[inv] + seg[:, 2]
+        return values[np.repeat(src - starts, seqlens) + np.arange(total)].astype(dtype)
+    chunk_of, start_of, values = views
+    out = np.empty(total, dtype=dtype)
+    seg_chunk = chunk_of[seg[:, 1]]
+    src = start_of[seg[:, 1]] + seg[:, 2]
+    order = np.argsort(seg_chunk, kind="stable")
+    bounds = np.searchsorted(seg_chunk[order], np.arange(len(values) + 1))
+    for c in np.flatnonzero(np.diff(bounds)).tolist():
+        sel = order[bounds[c] : bounds[c + 1]]
+        copy_runs(values[c], src[sel], starts[sel], seqlens[sel], out)
+    return out
+
+
 def _build_unpadded(batch: dict[str, list[int]], *, source: HFSource, plan: Any, dtype: str) -> Any:
-    """Arrow rows: tokens gathered by one fancy index (no Python per token or per segment)."""
+    """Arrow rows: tokens gathered by fancy indexing (no Python per token or per segment)."""
     import pyarrow as pa
 
     rows = np.asarray(batch[_ROW], dtype=np.int64)
     seg, counts = _segments_of(plan, rows)
-    need, inv = np.unique(seg[:, 1], return_inverse=True)
-    tbl = source.take_table(need)
-    offsets, values = flat_list_array(tbl.column(source.column))
     seqlens = seg[:, 3] - seg[:, 2]
     starts = np.cumsum(seqlens) - seqlens  # each document's first token in the output
-    src = offsets[inv] + seg[:, 2]
-    idx = np.repeat(src - starts, seqlens) + np.arange(int(seqlens.sum()))
     row_tokens = np.add.reduceat(seqlens, np.cumsum(counts) - counts) if len(rows) else counts
     row_off = np.zeros(len(rows) + 1, dtype=np.int64)
     np.cumsum(row_tokens, out=row_off[1:])
@@ -71,11 +93,11 @@ def _build_unpadded(batch: dict[str, list[int]], *, source: HFSource, plan: Any,
         return pa.LargeListArray.from_arrays(pa.array(off, pa.int64()), pa.array(vals, typ))
 
     typ = pa.int32() if dtype == "int32" else pa.int64()
-    out = {"input_ids": lists(values[idx].astype(dtype), row_off, typ)}
+    out = {"input_ids": lists(_gather(source, source.column, seg, starts, dtype), row_off, typ)}
     if source.labels_column:
-        labels = flat_list_array(tbl.column(source.labels_column))[1][idx]
+        labels = _gather(source, source.labels_column, seg, starts, dtype)
         labels[starts] = -100  # a document's first token is never predicted
-        out["labels"] = lists(labels.astype(dtype), row_off, typ)
+        out["labels"] = lists(labels, row_off, typ)
     out["seqlens"] = lists(seqlens.astype(np.int32), doc_off, pa.int32())
     out["num_tokens"] = pa.array(row_tokens, pa.int64())
     return pa.table(out)
