@@ -138,3 +138,45 @@ def test_property_labels_token_by_token(data, max_len, overflow, padded):
         got = collate(list(out.with_format("numpy")), max_len=max_len)
         assert torch.equal(got.input_ids, want_ids)
         assert torch.equal(got.labels, want_lab)
+
+
+@given(
+    rows=st.lists(
+        st.lists(st.lists(st.integers(-5, 2**40), min_size=1, max_size=5), max_size=4),
+        min_size=1,
+        max_size=5,
+    ),
+    extra=st.integers(0, 3),
+    pad_id=st.integers(-3, 3),
+    with_labels=st.booleans(),
+)
+def test_property_collate_unpadded_rows(rows, extra, pad_id, with_labels):
+    """collate of unpadded rows == padding each row by hand, field by field."""
+    longest = max(sum(len(d) for d in docs) for docs in rows)
+    max_len = max(longest, 1) + extra
+    dicts, want = [], {k: [] for k in ("input_ids", "labels", "doc_ids", "position_ids")}
+    for docs in rows:
+        flat = [t for d in docs for t in d]
+        lab = [t * 2 if with_labels else t for t in flat]
+        row = {"input_ids": flat, "seqlens": [len(d) for d in docs]}
+        if with_labels:
+            row["labels"] = lab
+        dicts.append(row)
+        ids, labs, dids, pos = [], [], [], []
+        k = 0
+        for j, d in enumerate(docs):
+            for p in range(len(d)):
+                ids.append(flat[k])
+                labs.append(-100 if p == 0 else lab[k])
+                dids.append(j)
+                pos.append(p)
+                k += 1
+        pad = max_len - len(ids)
+        want["input_ids"].append(ids + [pad_id] * pad)
+        want["labels"].append(labs + [-100] * pad)
+        want["doc_ids"].append(dids + [-1] * pad)
+        want["position_ids"].append(pos + [0] * pad)
+    got = collate(dicts, max_len=max_len, pad_id=pad_id)
+    for name, value in want.items():
+        assert getattr(got, name).tolist() == value, name
+    assert collate(dicts, pad_id=pad_id).input_ids.shape == (len(rows), max(longest, 1))

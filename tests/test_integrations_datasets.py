@@ -50,6 +50,8 @@ def test_rows_equal_the_global_plan(samples):
     assert torch.equal(rows.input_ids, ref.input_ids) and torch.equal(rows.labels, ref.labels)
     with pytest.raises(ValueError, match="max_len=47"):
         PackedDataset(packed, 47)
+    table = PackedDataset(packed.data.table, 48)  # a pyarrow Table of stored rows too
+    assert torch.equal(table[len(ref) - 1].input_ids, ref.input_ids[-1:])
 
 
 def test_padded_rows_equal_the_global_plan(samples):
