@@ -94,3 +94,11 @@ def test_numpy_object_row_with_none_names_the_sample():
     src[:] = [[1, 2], [3, None]]
     with pytest.raises(TypeError, match=r"samples\[1\]"):
         PackedDataset(src, 8)[0]
+
+
+def test_stored_rows_with_inconsistent_seqlens_are_refused():
+    table = pa.table({"input_ids": [[1, 2, 3], [4, 5]], "seqlens": [[2, 1], [3]]})
+    ds = PackedDataset(table, 4)
+    assert ds[0].seqlens.tolist() == [2, 1]
+    with pytest.raises(ValueError, match="do not match their seqlens"):
+        ds[1]

@@ -163,8 +163,8 @@ def check_list_chunk(chunk: Any, name: str, base: int = 0) -> np.ndarray:
     if chunk.null_count:
         row = base + _first(pc.is_null(chunk))
         raise ValueError(
-            f"{name} row {row} is null (no token list); drop or fill null rows first, e.g. "
-            "ds.filter(lambda x: x[column] is not None)."
+            f"{name} row {row} is null (no token list); drop or fill null rows first (for a "
+            "datasets.Dataset: ds.filter(lambda x: x[<that column>] is not None))."
         )
     values = pc.list_flatten(chunk)
     if values.null_count:

@@ -295,24 +295,26 @@ class _StoredRows:
     def holds(samples: Any, column: str | None) -> bool:
         names = getattr(samples, "column_names", None)
         arrowish = _is_hf_dataset(samples) or _is_arrow(samples)
-        return bool(arrowish and names and "seqlens" in names and (column or "input_ids") in names)
+        stored = names is not None and "seqlens" in names and "input_ids" in names
+        return bool(arrowish and stored and column in (None, "input_ids"))
 
     def __init__(self, samples: Any, max_len: int, labels_column: str | None) -> None:
         import pyarrow.compute as pc
 
-        self.column = "input_ids"
         self.labels = labels_column if labels_column in samples.column_names else None
         cols = ["input_ids", "seqlens"] + ([self.labels] if self.labels else [])
         if _is_hf_dataset(samples):
             self.table = None
             self.ds = samples.with_format("arrow", columns=cols)
-            ids = self.ds.data.column("input_ids")
-            if self.ds._indices is not None:  # a select()/shuffle() view: read through it
-                ids = self.ds[:]["input_ids"]
+            parts = [  # batches follow a select()/shuffle() indices mapping; offsets only
+                np.asarray(pc.list_value_length(t.column("input_ids")), dtype=np.int64)
+                for t in self.ds.iter(batch_size=1 << 16)
+            ]
+            self.num_tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
         else:
             self.table = samples.select(cols)
             ids = self.table.column("input_ids")
-        self.num_tokens = np.asarray(pc.list_value_length(ids), dtype=np.int64)
+            self.num_tokens = np.asarray(pc.list_value_length(ids), dtype=np.int64)
         longest = int(self.num_tokens.max()) if len(self.num_tokens) else 0
         if longest > max_len:
             raise ValueError(
@@ -327,9 +329,17 @@ class _StoredRows:
 
         idx = np.asarray(rows, dtype=np.int64)
         tbl = self.table.take(idx) if self.table is not None else self.ds[idx.tolist()]
-        _, ids = flat_list_array(tbl.column("input_ids"))
+        ids_off, ids = flat_list_array(tbl.column("input_ids"))
         seq_off, seqlens = flat_list_array(tbl.column("seqlens"))
         labels = flat_list_array(tbl.column(self.labels))[1] if self.labels else None
+        # every row's seqlens must sum to its tokens: the compiled pass trusts them
+        sums = np.concatenate([[0], np.cumsum(seqlens)])[seq_off]
+        bad_labels = labels is not None and len(labels) != len(ids)
+        if (sums != ids_off).any() or (seqlens <= 0).any() or bad_labels:
+            raise ValueError(
+                f"stored rows {rows} do not match their seqlens (they must be positive and sum "
+                "to each row's tokens, labels as many as tokens); repack with pack_dataset."
+            )
         return rows_from_flat(ids, labels, seqlens, np.diff(seq_off), self.max_len, pad_id=pad_id)
 
 
