@@ -297,3 +297,47 @@ def test_per_sample_labels_are_kept(strategy):
     assert seen == 11
     with pytest.raises(ValueError, match="labels"):
         list(PackedIterableDataset([{"input_ids": [1, 2], "labels": [1]}], 4, buffer_size=1))
+
+
+def test_wrap_truncate_matches_pack():
+    # strategy="wrap" ignored overflow="truncate" (the whole sample was wrapped) while
+    # flexpack.pack cuts each sample to max_len first, then wraps. One meaning for both.
+    from flexpack import pack_sequences
+
+    samples = [list(range(10)), [20, 21], list(range(30, 55)), [60, 61, 62]]
+    ds = PackedIterableDataset(samples, 8, strategy="wrap", overflow="truncate")
+    got = [(r.input_ids[0].tolist(), r.doc_ids[0].tolist()) for r in ds]
+    ref = pack_sequences(samples, 8, strategy="wrap", overflow="truncate")
+    want = list(zip(ref.input_ids.tolist(), ref.doc_ids.tolist(), strict=True))
+    assert got == want
+    assert tokens_of(rows_of(ds)) == Counter(t for s in samples for t in s[:8])
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"version": 1}, "missing"),
+        ({"version": 99}, "version"),
+        ("not a state", "Mapping|dict"),
+        (None, "Mapping|dict"),
+    ],
+)
+def test_malformed_state_is_a_clear_error(state, match):
+    ds = PackedIterableDataset([[1, 2], [3]], 4, buffer_size=2)
+    with pytest.raises(ValueError, match=match) as info:
+        ds.load_state_dict(state)
+    assert "state_dict()" in str(info.value)
+
+
+def test_malformed_state_fields_are_clear_errors():
+    ds = PackedIterableDataset([[1, 2], [3]], 4, buffer_size=2)
+    good = ds.state_dict()
+    for key, value in [
+        ("position", -1),
+        ("position", "3"),
+        ("pending", [[0, 1]]),
+        ("pending", 5),
+        ("rows_emitted", None),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            ds.load_state_dict({**good, key: value})
