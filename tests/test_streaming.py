@@ -341,3 +341,151 @@ def test_malformed_state_fields_are_clear_errors():
     ]:
         with pytest.raises(ValueError, match=key):
             ds.load_state_dict({**good, key: value})
+
+
+# -- sync_ranks: every rank the same number of rows, every token once ---------------------------
+
+
+def _sync_ranks(src, world: int, **kw) -> list[list]:
+    """Rows of every simulated rank (rank=r, world_size=world), as rows_of tuples."""
+    return [
+        rows_of(PackedIterableDataset(src, 16, rank=r, world_size=world, sync_ranks=True, **kw))
+        for r in range(world)
+    ]
+
+
+def _interleave(per_rank: list[list]) -> list:
+    """Global rows back in plan order: row t is rank t % W's row t // W."""
+    world = len(per_rank)
+    return [per_rank[t % world][t // world] for t in range(sum(map(len, per_rank)))]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "greedy", "wrap"])
+@pytest.mark.parametrize("source", [list, Stream])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_sync_ranks_equal_rows_every_token_once(strategy, source, world):
+    samples = make_samples(61, 16, seed=3)
+    kw = dict(buffer_size=8, strategy=strategy, overflow="split")
+    per_rank = _sync_ranks(source(samples), world, **kw)
+    assert len({len(rows) for rows in per_rank}) == 1  # the point: ranks stay in step
+    flat = _interleave(per_rank)
+    single = rows_of(PackedIterableDataset(samples, 16, **kw))
+    # the global plan is the single-process plan, plus at most world - 1 empty rows at the end
+    assert flat[: len(single)] == single
+    empty = (tuple([0] * 16), tuple([-1] * 16))
+    assert flat[len(single) :] == [empty] * ((-len(single)) % world)
+    assert tokens_of(flat) == Counter(t for s in samples for t in s)
+
+
+def test_sync_ranks_padding_rows_are_counted_and_epochs_repeat():
+    samples = make_samples(10, 16, seed=4)
+    single = len(list(PackedIterableDataset(samples, 16, buffer_size=4)))
+    world = 4
+    assert single % world  # the tail needs padding rows
+    sets = [
+        PackedIterableDataset(samples, 16, buffer_size=4, rank=r, world_size=world, sync_ranks=True)
+        for r in range(world)
+    ]
+    for _ in range(2):  # epoch after epoch
+        counts = [len(list(ds)) for ds in sets]
+        assert counts == [-(-single // world)] * world
+        assert sum(ds.stats.padding_rows for ds in sets) == (-single) % world
+        assert [ds.stats.rows for ds in sets] == counts
+    ranks_empty = [
+        PackedIterableDataset([], 16, rank=r, world_size=world, sync_ranks=True)
+        for r in range(world)
+    ]
+    assert [len(list(ds)) for ds in ranks_empty] == [0] * world
+
+
+def test_sync_ranks_hf_dataset_reads_lengths_from_arrow_and_keeps_labels():
+    datasets = pytest.importorskip("datasets")
+    samples = make_samples(40, 24, seed=8)
+    labels = [[-100] * (len(s) // 2) + s[len(s) // 2 :] for s in samples]
+    hf = datasets.Dataset.from_dict({"input_ids": samples, "labels": labels, "text": ["t"] * 40})
+    kw = dict(buffer_size=4, overflow="split")
+    per_rank = _sync_ranks(hf, 3, **kw)
+    assert len({len(rows) for rows in per_rank}) == 1
+    single = rows_of(PackedIterableDataset(samples, 16, **kw))
+    assert _interleave(per_rank)[: len(single)] == single
+    label_of = {
+        t: lab for s, ls in zip(samples, labels, strict=True) for t, lab in zip(s, ls, strict=True)
+    }
+    for r in range(3):
+        ds = PackedIterableDataset(hf, 16, rank=r, world_size=3, sync_ranks=True, **kw)
+        for row in ds:
+            ids, lab, doc = row.input_ids[0].tolist(), row.labels[0].tolist(), row.doc_ids[0]
+            for j in range(16):
+                if doc[j] >= 0 and j and doc[j - 1] == doc[j]:
+                    assert lab[j] == label_of[ids[j]]
+    ds = PackedIterableDataset(hf, 16, rank=1, world_size=3, sync_ranks=True, **kw)
+    it = iter(ds)
+    head = [next(it) for _ in range(3)]
+    again = PackedIterableDataset(hf, 16, rank=1, world_size=3, sync_ranks=True, **kw)
+    again.load_state_dict(ds.state_dict())
+    assert rows_of(head) + rows_of(again) == per_rank[1]
+    bad = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2]]})
+    with pytest.raises(ValueError, match="stream item 0 has 3 input_ids but 2 labels"):
+        list(PackedIterableDataset(bad, 16, rank=0, world_size=2, sync_ranks=True))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sync_ranks_dataloader_workers_equal_steps(workers):
+    samples = make_samples(70, 32, seed=2)
+    steps, toks = [], Counter()
+    for rank in range(3):
+        ds = PackedIterableDataset(
+            samples, 32, buffer_size=8, rank=rank, world_size=3, sync_ranks=True
+        )
+        loader = torch.utils.data.DataLoader(
+            ds, batch_size=2, num_workers=workers, collate_fn=collate
+        )
+        batches = list(loader)
+        steps.append(len(batches))
+        for b in batches:
+            for ids, dd in zip(b.input_ids.tolist(), b.doc_ids.tolist(), strict=True):
+                toks.update(t for t, d in zip(ids, dd, strict=True) if d >= 0)
+    assert len(set(steps)) == 1
+    assert toks == Counter(t for s in samples for t in s)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=40),
+    strategy=st.sampled_from(["bfd", "greedy", "wrap"]),
+    buffer_size=st.integers(1, 10),
+    world=st.integers(1, 4),
+    indexable=st.booleans(),
+    data=st.data(),
+)
+def test_sync_ranks_property(lengths, strategy, buffer_size, world, indexable, data):
+    starts = np.cumsum([0, *lengths])[:-1].tolist()
+    samples = [list(range(s, s + k)) for s, k in zip(starts, lengths, strict=True)]
+    src = samples if indexable else Stream(samples)
+    kw = dict(buffer_size=buffer_size, strategy=strategy, overflow="split")
+    per_rank = _sync_ranks(src, world, **kw)
+    assert len({len(rows) for rows in per_rank}) == 1
+    assert tokens_of(_interleave(per_rank)) == Counter(t for s in samples for t in s)
+    # a resume in the middle of one rank gives the same continuation
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    stop = data.draw(st.integers(0, len(per_rank[rank])), label="stop")
+    make = lambda: PackedIterableDataset(
+        src, 16, rank=rank, world_size=world, sync_ranks=True, **kw
+    )
+    ds = make()
+    it = iter(ds)
+    head = [next(it) for _ in range(stop)]
+    again = make()
+    again.load_state_dict(ds.state_dict())
+    assert rows_of(head) + rows_of(again) == per_rank[rank]
+    assert again.stats.rows == len(per_rank[rank])
+
+
+def test_sync_ranks_state_checks():
+    state = PackedIterableDataset([[1]], 8, rank=0, world_size=2, sync_ranks=True).state_dict()
+    with pytest.raises(ValueError, match="sync_ranks=True"):
+        PackedIterableDataset([[1]], 8, rank=0, world_size=2).load_state_dict(state)
+    other = PackedIterableDataset([[1]], 8, rank=0, world_size=1, sync_ranks=True)
+    other.load_state_dict({**state, "num_readers": 1})
+    with pytest.raises(ValueError, match="world_size=2"):
+        list(other)
