@@ -489,3 +489,38 @@ def test_sync_ranks_state_checks():
     other.load_state_dict({**state, "num_readers": 1})
     with pytest.raises(ValueError, match="world_size=2"):
         list(other)
+
+
+def test_labels_column_names_the_labels_and_none_ignores_them():
+    samples = [
+        {"input_ids": [1, 2, 3, 4], "target": [-100, -100, 3, 4], "labels": [9, 9, 9, 9]},
+        {"input_ids": [5, 6, 7]},  # no labels: labelled by its tokens
+    ]
+
+    def labels(**kw):
+        (row,) = list(PackedIterableDataset(samples, 8, **kw))
+        return row.labels[0].tolist()
+
+    assert labels(labels_column="target") == [-100, -100, 3, 4, -100, 6, 7, -100]
+    assert labels() == [-100, 9, 9, 9, -100, 6, 7, -100]  # default "labels"
+    assert labels(labels_column=None) == [-100, 2, 3, 4, -100, 6, 7, -100]
+    with pytest.raises(ValueError, match="also the token column"):
+        PackedIterableDataset(samples, 8, labels_column="input_ids")
+    with pytest.raises(TypeError, match="labels_column must be a str or None"):
+        PackedIterableDataset(samples, 8, labels_column=3)
+    bad = [[1], {"input_ids": [1, 2, 3], "target": [1, 2]}]
+    with pytest.raises(ValueError, match="stream item 1 has 3 input_ids but 2 labels"):
+        list(PackedIterableDataset(bad, 8, labels_column="target"))
+    with pytest.raises(ValueError, match="stream item 1 has 3 input_ids but 2 labels"):
+        list(PackedIterableDataset(bad, 8, labels_column="target", rank=1, world_size=2))
+
+
+def test_truncate_is_counted_in_stats():
+    samples = [list(range(10)), [20, 21], list(range(30, 55))]
+    for strategy in ("bfd", "greedy", "wrap"):
+        ds = PackedIterableDataset(
+            samples, 8, buffer_size=2, strategy=strategy, overflow="truncate"
+        )
+        rows = rows_of(ds)
+        assert sum(tokens_of(rows).values()) + ds.stats.truncated == 37
+        assert (ds.stats.truncated, ds.stats.truncated_samples) == (2 + 17, 2)
