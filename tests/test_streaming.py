@@ -424,6 +424,12 @@ def test_sync_ranks_hf_dataset_reads_lengths_from_arrow_and_keeps_labels():
     again = PackedIterableDataset(hf, 16, rank=1, world_size=3, sync_ranks=True, **kw)
     again.load_state_dict(ds.state_dict())
     assert rows_of(head) + rows_of(again) == per_rank[1]
+    nulls = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, None, 5]]})
+    with pytest.raises(ValueError, match="stream item 1 has a null inside"):
+        list(PackedIterableDataset(nulls, 16, rank=0, world_size=2, sync_ranks=True))
+    nulls = datasets.Dataset.from_dict({"input_ids": [[1, 2], None]})
+    with pytest.raises(ValueError, match="stream item 1 has a null 'input_ids'"):
+        list(PackedIterableDataset(nulls, 16, rank=0, world_size=2, sync_ranks=True))
     bad = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2]]})
     with pytest.raises(ValueError, match="stream item 0 has 3 input_ids but 2 labels"):
         list(PackedIterableDataset(bad, 16, rank=0, world_size=2, sync_ranks=True))

@@ -417,10 +417,10 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
 
         def fetch(ks: list[int]) -> tuple[dict[int, Any], dict[int, Any]]:
             ks = sorted(set(ks))
-            toks = dict(zip(ks, lazy.take(np.array(ks)), strict=True))
+            toks = dict(zip(ks, _take_lists(lazy, ks), strict=True))
             labs = {}
             if lazy_labels is not None:
-                for k, lab in zip(ks, lazy_labels.take(np.array(ks)), strict=True):
+                for k, lab in zip(ks, _take_lists(lazy_labels, ks), strict=True):
                     labs[k] = _check_labels(lab, toks[k], f"stream item {k}")
             return toks, labs
 
@@ -509,6 +509,29 @@ def _hf_lengths(source: HFSource, start: int) -> Iterator[tuple[int, int]]:
             )
         lengths = np.asarray(pc.list_value_length(col), dtype=np.int64)
         yield from zip(range(a, a + len(lengths)), lengths.tolist(), strict=True)
+
+
+def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
+    """The token lists of rows ``ks`` (sorted) as int64 arrays.
+
+    ``pc.list_flatten`` reads only the taken rows' values: a take of one row is a slice whose
+    ``.values`` is the whole column's buffer, which a conversion of ``.values`` would copy.
+    """
+    import pyarrow.compute as pc
+
+    col = source.ds[ks].column(source.column)
+    flat = pc.list_flatten(col)
+    if flat.null_count:
+        lengths = np.asarray(pc.list_value_length(col), dtype=np.int64)
+        nulls = np.flatnonzero(np.asarray(flat.is_null()))
+        first = ks[int(np.searchsorted(np.cumsum(lengths), nulls[0], side="right"))]
+        raise ValueError(
+            f"stream item {first} has a null inside its {source.column!r} list; token ids must "
+            "all be set: drop or fix that row first."
+        )
+    values = flat.to_numpy().astype(np.int64, copy=False)
+    ends = np.cumsum(np.asarray(pc.list_value_length(col), dtype=np.int64))
+    return np.split(values, ends[:-1])
 
 
 def _check_state(state: Any) -> dict[str, Any]:
