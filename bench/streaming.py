@@ -164,6 +164,9 @@ def main() -> None:
         f"Lower bound ceil(tokens / max_len) = {lower:,} rows; {args.samples:,} samples, "
         f"{total:,} tokens, world_size {world}.",
         "",
+        '"rows (all ranks)" counts what the ranks yield, padding and repeated rows included; '
+        "efficiency = real tokens / (those rows x max_len).",
+        "",
         '"tokens not trained": per-rank streaming gives the ranks different row counts; a DDP/FSDP '
         "loop that stops every rank at the shortest rank (the documented all-reduce of a done "
         "flag) leaves the longer ranks' last rows out of the epoch. sync_ranks and the global "
@@ -182,7 +185,8 @@ def main() -> None:
         report = [
             "# Streaming: ranks in step (sync_ranks) vs per-rank streaming vs the global plan",
             "",
-            f"Date: {today}. Machine: {machine}; ratios are measured within one run.",
+            f"Date: {today}. Machine: {machine} (shared with other jobs); ratios are measured "
+            "within one run.",
             f"Command: `python bench/streaming.py --write {args.write}`",
             "",
             *lines,
