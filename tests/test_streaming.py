@@ -85,8 +85,10 @@ def test_bfd_buffer_improves_fill_and_bounds_memory():
     assert fills[64] < 0.9 * fills[1]
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "wrap"])
-def test_memory_stays_bounded_over_a_long_stream(strategy):
+@pytest.mark.parametrize(
+    ("strategy", "sync"), [("greedy", False), ("wrap", False), ("bfd", True), ("wrap", True)]
+)
+def test_memory_stays_bounded_over_a_long_stream(strategy, sync):
     # A bookkeeping entry per sample seen, never freed, once made memory grow with the stream.
     import tracemalloc
 
@@ -94,7 +96,8 @@ def test_memory_stays_bounded_over_a_long_stream(strategy):
         def __iter__(self):
             return ([7, 8, 9] for _ in range(30_000))
 
-    ds = PackedIterableDataset(Stream(), 64, strategy=strategy)
+    kw = dict(rank=1, world_size=2, sync_ranks=True) if sync else {}
+    ds = PackedIterableDataset(Stream(), 64, strategy=strategy, buffer_size=256, **kw)
     it = iter(ds)
     next(it)
     tracemalloc.start()

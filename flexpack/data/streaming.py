@@ -455,7 +455,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             return batch
 
         # Feeding the saved pieces again rebuilds the packer exactly (it is deterministic).
-        if self.strategy == "bfd":
+        if self.strategy == "bfd" and lazy is None:
             for k, _, _ in pending:
                 live[k] = live.get(k, 0) + 1
         cursor.unfed = []  # from here on the packer holds the saved pieces
