@@ -180,11 +180,13 @@ def test_resume_through_dataloader_num_workers_0():
     assert all(torch.equal(a, b) for a, b in zip(head + rest, full, strict=True))
 
 
-def test_resume_with_two_workers_stateful_dataloader():
+@pytest.mark.parametrize("sync", [False, True])
+def test_resume_with_two_workers_stateful_dataloader(sync):
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
     samples = make_samples(120, 16, seed=6)
     kw = dict(batch_size=2, num_workers=2, collate_fn=collate)
-    make = lambda: PackedIterableDataset(samples, 16, buffer_size=8)
+    ranks = dict(rank=1, world_size=2, sync_ranks=True) if sync else {}
+    make = lambda: PackedIterableDataset(samples, 16, buffer_size=8, **ranks)
     full = [b.input_ids for b in sdl.StatefulDataLoader(make(), **kw)]
     loader = sdl.StatefulDataLoader(make(), **kw)
     it = iter(loader)
@@ -533,3 +535,14 @@ def test_truncate_is_counted_in_stats():
         rows = rows_of(ds)
         assert sum(tokens_of(rows).values()) + ds.stats.truncated == 37
         assert (ds.stats.truncated, ds.stats.truncated_samples) == (2 + 17, 2)
+
+
+def test_docs_streaming_md():
+    """The examples in docs/streaming.md run as written."""
+    import doctest
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "streaming.md"
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testfile(str(path), module_relative=False, optionflags=flags)
+    assert result.attempted > 10 and result.failed == 0
