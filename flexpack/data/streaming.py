@@ -102,8 +102,9 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
     yields the same number of rows, every epoch, and every token is still delivered once. Rows
     are those of a single-process run with the same ``buffer_size``. A Hugging Face
     ``datasets.Dataset`` is read through Arrow list offsets (lengths) and only the own rows'
-    tokens are fetched; any other source is read in full by every rank (the tokens of at most
-    ``buffer_size`` samples are held).
+    tokens are fetched; any other source is read in full by every rank and DataLoader worker (the
+    tokens of at most ``buffer_size`` samples are held). Every rank must see the same stream:
+    pass the whole dataset, not a per-rank split (``split_dataset_by_node``).
 
     Resume: ``state_dict()`` describes this reader's position after the last row it yielded
     (stream position plus the buffered samples as ``(index, start, stop)``, never tokens);
@@ -390,7 +391,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                 return True
 
         lazy, lazy_labels = None, None  # HF dataset under sync_ranks: fetch own rows' tokens only
-        if self.sync_ranks and _is_hf_dataset(self.iterable):
+        it = self.iterable
+        if self.sync_ranks and _is_hf_dataset(it) and hasattr(it, "__len__"):  # map-style
             lazy = HFSource(self.iterable, self.column or "input_ids")
             names = self.iterable.column_names
             if self.labels_column is not None and self.labels_column in names:
