@@ -288,8 +288,9 @@ def flat_list_array(arr: Any) -> tuple[np.ndarray, np.ndarray]:
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
     offsets = np.asarray(arr.offsets, dtype=np.int64)
-    values = np.asarray(arr.values.to_numpy(zero_copy_only=False), dtype=np.int64)
-    values = values[offsets[0] : offsets[-1]]
+    # a slice's .values is its parent's whole buffer: convert only the referenced range
+    used = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    values = np.asarray(used.to_numpy(zero_copy_only=False), dtype=np.int64)
     return offsets - offsets[0], values
 
 
