@@ -180,3 +180,14 @@ def test_property_collate_unpadded_rows(rows, extra, pad_id, with_labels):
     for name, value in want.items():
         assert getattr(got, name).tolist() == value, name
     assert collate(dicts, pad_id=pad_id).input_ids.shape == (len(rows), max(longest, 1))
+
+
+def test_a_scalar_labels_column_says_to_pass_none():
+    hf = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3]], "labels": [0, 1]})
+    with pytest.raises(TypeError, match="labels_column=None"):
+        PackedDataset(hf, 4)
+    with pytest.raises(TypeError, match="labels_column=None"):
+        pack_dataset(hf, 4)
+    assert len(pack_dataset(hf, 4, labels_column=None)) == 1
+    with pytest.raises(TypeError, match="labels_column=None"):
+        PackedDataset(pa.table({"input_ids": [[1, 2]], "labels": [0]}), 4)

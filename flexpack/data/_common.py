@@ -203,12 +203,17 @@ def _chunks(col: Any) -> list[Any]:
     return list(col.chunks) if isinstance(col, pa.ChunkedArray) else [col]
 
 
-def _check_list_type(typ: Any, name: str) -> None:
+def _check_list_type(typ: Any, name: str, labels: bool = False) -> None:
     import pyarrow as pa
 
     if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not (
         pa.types.is_integer(typ.value_type)
     ):
+        if labels:
+            raise TypeError(
+                f"{name} has Arrow type {typ}, expected list<int> (one label per token); pass "
+                "labels_column=None to ignore it, or the name of the per-token labels column."
+            )
         raise TypeError(
             f"{name} has Arrow type {typ}, expected list<int> (token ids); tokenize it first."
         )
@@ -224,7 +229,7 @@ class ArrowSource:
     ) -> None:
         _check_list_type(column.type, name)
         if labels is not None:
-            _check_list_type(labels.type, f"column {labels_name!r}")
+            _check_list_type(labels.type, f"column {labels_name!r}", labels=True)
         self.column = column
         self.name = name
         self.labels = labels
@@ -313,7 +318,8 @@ class HFSource:
         self.value_range = (0, 0)
         _check_list_type(self.ds.data.column(column).type, f"column {column!r}")
         if labels_column:
-            _check_list_type(self.ds.data.column(labels_column).type, f"column {labels_column!r}")
+            typ = self.ds.data.column(labels_column).type
+            _check_list_type(typ, f"column {labels_column!r}", labels=True)
 
     def __len__(self) -> int:
         return len(self.ds)
