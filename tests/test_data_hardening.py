@@ -102,3 +102,19 @@ def test_stored_rows_with_inconsistent_seqlens_are_refused():
     assert ds[0].seqlens.tolist() == [2, 1]
     with pytest.raises(ValueError, match="do not match their seqlens"):
         ds[1]
+
+
+def test_collate_with_mask_pads_unpadded_rows():
+    from flexpack import document_causal_mask
+    from flexpack.data import collate_with_mask
+
+    rows = [{"input_ids": [1, 2, 3], "seqlens": [2, 1]}, {"input_ids": [4], "seqlens": [1]}]
+    out = collate_with_mask(rows, block_size=2, max_len=4)
+    assert out.batch.doc_ids.tolist() == [[0, 0, 1, -1], [0, -1, -1, -1]]
+    ref = document_causal_mask(out.batch.doc_ids, block_size=2)
+    assert torch.equal(out.block_mask.kv_num_blocks, ref.kv_num_blocks)
+    ds = PackedDataset([[1, 2, 3], [4, 5]], 4)
+    with pytest.raises(ValueError, match="not max_len=8"):
+        collate([ds[0]], max_len=8)
+    with pytest.raises(ValueError, match="not max_len=8"):
+        collate([{"input_ids": [1, 0], "labels": [-100, -100], "doc_ids": [0, -1]}], max_len=8)

@@ -206,6 +206,19 @@ def collate(rows: Sequence[Any], *, max_len: int | None = None, pad_id: int = 0)
         raise ValueError("collate got no rows; the DataLoader batch is empty.")
     if _is_unpadded(rows[0]):
         return _collate_unpadded(rows, max_len, int(pad_id))
+    if all(isinstance(r, PackedBatch) for r in rows):  # tensors stay where they are
+        widths = {r.shape[1] for r in rows}
+        if len(widths) != 1 or (max_len is not None and widths != {max_len}):
+            raise ValueError(
+                f"rows have lengths {sorted(widths)}"
+                + (f", not max_len={max_len}" if max_len is not None else "")
+                + "; pack every row to the same max_len."
+            )
+        return PackedBatch(
+            input_ids=torch.cat([r.input_ids for r in rows]),
+            labels=torch.cat([r.labels for r in rows]),
+            layout=PackedLayout.from_doc_ids(torch.cat([r.doc_ids for r in rows])),
+        )
     parts = [_padded_row(r, i) for i, r in enumerate(rows)]
     widths = {p[0].shape[1] for p in parts}
     if len(widths) != 1:
