@@ -778,7 +778,7 @@ def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
     M = max(num)
     par = parents if parents.dim() == 2 else parents[None]
     if parents.dim() not in (1, 2) or par.shape[0] != B or par.shape[1] < M:
-        expected = f"({M},)" if B == 1 else f"({B}, >= {M})"
+        expected = f"({M},) or (1, >= {M})" if B == 1 else f"({B}, >= {M})"
         raise ValueError(
             f"parents must have shape {expected} (the parent segment of every segment of each "
             f"row, -1 for a root), got {tuple(parents.shape)}."
