@@ -45,7 +45,8 @@ def draw_groups(kind: str, n: int, max_len: int, rng: np.random.Generator) -> li
 
 
 def tree_step(model: GPT, batch) -> None:
-    logits = model(batch.input_ids, position_ids=batch.position_ids, mask=batch.mask())
+    mask = batch.mask().block_mask()  # once per batch, as a trainer builds it
+    logits = model(batch.input_ids, position_ids=batch.position_ids, mask=mask)
     logps, valid = batch.gather_logps(logits)
     (-(logps * valid).sum()).backward()
 

@@ -162,3 +162,41 @@ def test_attention_equals_float64_reference(forest, gqa, backend):
     ref = torch.autograd.grad((want * w).sum(), (q, k, v))
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+# ------------------------------------------------------------------------------ losses
+
+
+@given(
+    st.lists(st.integers(0, 6), min_size=1, max_size=6),
+    st.sampled_from(["token_mean", "sequence_mean"]),
+    st.floats(0.05, 0.5),
+    st.integers(0, 2**16),
+)
+def test_loss_helpers_equal_their_per_rollout_formulas(lengths, reduction, epsilon, seed):
+    from flexpack.trees import grpo_loss, sequence_logps
+
+    g = torch.Generator().manual_seed(seed)
+    N, L = len(lengths), max(1, max(lengths))
+    valid = torch.arange(L)[None, :] < torch.tensor(lengths)[:, None]
+    logps = torch.where(valid, -torch.rand(N, L, generator=g, dtype=torch.float64), 0.0)
+    old = logps + 0.5 * torch.randn(N, L, generator=g, dtype=torch.float64)
+    adv = torch.randn(N, generator=g, dtype=torch.float64)
+    rows = [logps[n, : lengths[n]] for n in range(N)]
+    sums = sequence_logps(logps, valid)
+    means = sequence_logps(logps, valid, reduction="mean")
+    for n, row in enumerate(rows):
+        assert torch.isclose(sums[n], row.sum())
+        assert torch.isclose(means[n], row.mean() if len(row) else torch.tensor(0.0).double())
+    terms = []
+    for n, row in enumerate(rows):
+        ratio = torch.exp(row - old[n, : lengths[n]])
+        clipped = ratio.clamp(1 - epsilon, 1 + epsilon)
+        terms.append(-torch.minimum(ratio * adv[n], clipped * adv[n]))
+    if reduction == "token_mean":
+        want = torch.cat(terms).sum() / max(1, sum(lengths))
+    else:
+        per = [t.mean() for t in terms if t.numel()]
+        want = torch.stack(per).mean() if per else torch.tensor(0.0).double()
+    got = grpo_loss(logps, valid, adv, old_logps=old, epsilon=epsilon, reduction=reduction)
+    assert torch.isclose(got, want), (got, want)
