@@ -13,7 +13,7 @@ forward and a backward of the summed completion log-probs on each; the table rep
 forwarded, rows, seconds (best of ``--repeats``, the two layouts interleaved) and the ratios,
 beside the theoretical saving ``sum G (P + R) / sum (P + G R)`` of the drawn lengths.
 
-    python bench/trees.py [--groups 8] [--max-len 8192] [--threads 1] [--device cpu]
+    python bench/trees.py [--groups 8] [--max-len 8192] [--threads 1] [--device cpu] [--dense]
 """
 
 from __future__ import annotations
@@ -44,8 +44,10 @@ def draw_groups(kind: str, n: int, max_len: int, rng: np.random.Generator) -> li
     return groups
 
 
-def tree_step(model: GPT, batch) -> None:
+def tree_step(model: GPT, batch, dense: bool = False) -> None:
     mask = batch.mask().block_mask()  # once per batch, as a trainer builds it
+    if dense:  # the same mask as a composition: flexpack.attention's dense-mask SDPA path
+        mask = batch.mask() & flexpack.masks.padding(batch.segment_ids)
     logits = model(batch.input_ids, position_ids=batch.position_ids, mask=mask)
     logps, valid = batch.gather_logps(logits)
     (-(logps * valid).sum()).backward()
@@ -79,6 +81,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--workloads", nargs="+", default=["grpo", "dpo"])
+    parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="also time the tree mask through the dense (S, S) mask SDPA path",
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -108,23 +115,28 @@ def main() -> None:
             for doc in set(d) - {-1}:
                 span = [t for t, x in enumerate(d) if x == doc]
                 prompt_lens[r, span] = prompt_of[tuple(ids[span[0] : span[-1] + 1])]
-        best = {"tree": float("inf"), "document": float("inf")}
+        best = {"tree": float("inf"), "document": float("inf"), "dense": float("inf")}
         for _ in range(args.repeats):  # interleaved, so load changes hit both layouts alike
             best["tree"] = min(best["tree"], timed(args.device, tree_step, model, trees))
+            if args.dense:
+                secs = timed(args.device, tree_step, model, trees, True)
+                best["dense"] = min(best["dense"], secs)
             best["document"] = min(
                 best["document"], timed(args.device, document_step, model, docs, prompt_lens)
             )
             model.zero_grad(set_to_none=True)
-        n_doc = int((docs.doc_ids >= 0).sum())
+        n_doc, n_tree = int((docs.doc_ids >= 0).sum()), trees.num_tokens
         rows = (
-            ("tree (pack_trees)", trees.input_ids.shape[0], trees.num_tokens, best["tree"]),
+            ("tree (pack_trees)", trees.input_ids.shape[0], n_tree, best["tree"]),
             ("one per document", docs.input_ids.shape[0], n_doc, best["document"]),
         )
+        if args.dense:
+            rows += (("tree, dense-mask SDPA", trees.input_ids.shape[0], n_tree, best["dense"]),)
         for name, n_rows, tokens, secs in rows:
             ratios = (
                 f"{theory:>10.2f}{n_doc / trees.num_tokens:>10.2f}"
                 f"{best['document'] / best['tree']:>8.2f}"
-                if name.startswith("tree")
+                if name == "tree (pack_trees)"
                 else ""
             )
             print(f"{kind:<9}{name:<22}{n_rows:>6}{tokens:>9}{secs:>11.3f}{ratios}")
