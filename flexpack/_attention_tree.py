@@ -17,8 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from flexpack._attention_sdpa import sdpa
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,7 @@ def per_tree_sdpa(
     *,
     scale: float | None,
     enable_gqa: bool,
+    softcap: float | None = None,
 ) -> Tensor:
     """Tree-masked attention as one SDPA call per segment.
 
@@ -95,6 +97,8 @@ def per_tree_sdpa(
         q: (B, Hq, S, D); k, v: (B, Hkv, S, D).
         pieces: :func:`tree_pieces` of the mask, one list per row (a single list serves every
             row).
+        softcap: attention-logit soft-capping (``flexpack._attention_sdpa.softcap_sdpa``); None
+            for none.
 
     Returns:
         (B, Hq, S, Dv), 0 on padding tokens.
@@ -119,7 +123,7 @@ def per_tree_sdpa(
                 keys = torch.cat([ks[p] for p in piece.path], dim=1)
                 values = torch.cat([vs[p] for p in piece.path], dim=1)
                 causal = False
-            out = F.scaled_dot_product_attention(
+            out = sdpa(
                 qs[i][None],
                 keys[None],
                 values[None],
@@ -127,6 +131,7 @@ def per_tree_sdpa(
                 is_causal=causal,
                 scale=scale,
                 enable_gqa=enable_gqa,
+                softcap=softcap,
             )
             outs.append(out[0])
         rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])

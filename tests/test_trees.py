@@ -312,3 +312,15 @@ def test_padding_between_segments_and_a_broadcast_mask():
     assert bool((out[:, :, [2, 5, 9]] == 0).all())
     out.sum().backward()
     assert torch.isfinite(q.grad).all()
+
+
+def test_softcap_per_segment_equals_dense_path():
+    seg = torch.tensor([[0, 0, 0, 1, 1, 2, 3, 3, 4, -1]])
+    par = torch.tensor([[-1, 0, 0, -1, 3]])
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=g, requires_grad=True) for _ in range(3))
+    tree = fm.tree(seg, par)
+    dense = tree & fm.padding(seg)  # a composition: the dense-mask SDPA path
+    out = flexpack.attention(q, k, v, tree, softcap=2.0)
+    assert tree._spans is not None  # the per-segment path ran
+    torch.testing.assert_close(out, flexpack.attention(q, k, v, dense, softcap=2.0))
