@@ -162,10 +162,14 @@ class TreeBatch:
                 f"batch with batch.to(logits.device)."
             )
         flat = logits.reshape(R * S, -1)  # (R * S, V)
-        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        src = flat[self._sources].to(compute)  # (T, V): only the positions that predict a target
         tokens = self.input_ids.reshape(-1)[self._targets]  # (T,)
-        lp = src.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(src, dim=-1)  # (T,)
+        if logits.dtype in (torch.float32, torch.float64):
+            # No (T, V) copy: the log-normalizer of every position, then one entry per target.
+            lse = torch.logsumexp(logits, dim=-1).reshape(-1)  # (R * S,)
+            lp = flat[self._sources, tokens] - lse[self._sources]  # (T,)
+        else:  # half precision: the predicting positions only, normalized in float32
+            src = flat[self._sources].float()  # (T, V)
+            lp = src.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(src, dim=-1)
         # Entries past a rollout's end index the spare 0 appended here.
         logps = torch.nn.functional.pad(lp, (0, 1))[self._rollout_targets]  # (N, L)
         return logps, self._rollout_valid
