@@ -187,12 +187,15 @@ def _is_tokens(x: Any) -> bool:
 def _as_tokens(x: Any, where: str) -> np.ndarray:
     if isinstance(x, Tensor):
         x = x.detach().cpu().numpy()
-    arr = np.asarray(x)
-    if arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # ragged nesting
+        arr = None
+    if arr is None or arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        got = "ragged nesting" if arr is None else f"shape {arr.shape} and dtype {arr.dtype}"
         raise TypeError(
-            f"{where} must be a sequence of int token ids, got {type(x).__name__} of shape "
-            f"{arr.shape} and dtype {arr.dtype}; a node is a token sequence (a leaf) or a pair "
-            f"(tokens, [children])."
+            f"{where} must be a sequence of int token ids, got {type(x).__name__} of {got}; a "
+            f"node is a token sequence (a leaf) or a pair (tokens, [children])."
         )
     if arr.size == 0:
         raise ValueError(

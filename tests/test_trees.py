@@ -97,6 +97,15 @@ def test_layout_of_a_group():
     assert (batch.num_tokens, batch.num_rollouts) == (6, 2)
 
 
+def test_tokens_as_tensors_and_arrays():
+    import numpy as np
+
+    group = (torch.tensor([5, 6, 7]), [np.array([8, 9]), (4,)])
+    batch = flexpack.pack_trees([group], max_len=8)
+    assert batch.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 0, 0]]
+    assert batch.parents.tolist() == [[-1, 0, 0]]
+
+
 def test_several_trees_share_rows_and_every_token_is_placed():
     groups = make_groups(0)
     batch = flexpack.pack_trees(groups, MAX_LEN)
@@ -258,6 +267,10 @@ def test_pack_trees_errors():
         flexpack.pack_trees([([1, 2], [[3], []])], max_len=8)
     with pytest.raises(TypeError, match="sequence of int token ids"):
         flexpack.pack_trees([[1.5, 2.0]], max_len=8)
+    with pytest.raises(TypeError, match=r"groups\[0\] must be .* ragged nesting"):
+        flexpack.pack_trees([[[1, 2], [3]]], max_len=8)
+    with pytest.raises(TypeError, match=r"groups\[0\]\[1\]\[0\] must be .* shape \(1, 2\)"):
+        flexpack.pack_trees([([1], [[[1, 2]]])], max_len=8)
     with pytest.raises(ValueError, match="groups is empty"):
         flexpack.pack_trees([], max_len=8)
     with pytest.raises(ValueError, match="wrap"):
