@@ -10,6 +10,8 @@ Shape legend:
     doc_ids: (S,) or (B, S) integer tensor; any negative value marks padding, which attends to
         nothing and is attended by nothing. (S,) is treated as (1, S).
     prefix_lengths: (num_docs,) for (S,) doc ids, (B, max_docs) for (B, S) doc ids.
+    segment_ids, parents: the prefix-tree layout of :func:`tree`: (S,) or (B, S) segment of each
+        token (-1 on padding), and (n,) or (B, max_segments) parent of each segment (-1 a root).
 
 Example:
     >>> import torch
@@ -327,12 +329,12 @@ class Mask:
     """An attention mask with an element-level ``mask_mod`` and a direct BlockMask builder.
 
     Build masks with the factories (:func:`causal`, :func:`document`, :func:`prefix_lm`,
-    :func:`sliding_window`, :func:`padding`) and compose them with ``&``, ``|`` and ``~``;
-    ``document(d) & causal()`` (either order) normalizes to kind ``"document_causal"``.
+    :func:`sliding_window`, :func:`padding`, :func:`tree`) and compose them with ``&``, ``|`` and
+    ``~``; ``document(d) & causal()`` (either order) normalizes to kind ``"document_causal"``.
 
     Attributes:
         kind: one of "causal", "document", "document_causal", "prefix_lm", "sliding_window",
-            "padding", "and", "or", "not".
+            "padding", "tree", "and", "or", "not".
         mask_mod: plain ``(b, h, q_idx, kv_idx) -> bool Tensor`` callable with a stable
             ``__name__`` (e.g. ``"and(document_causal, sliding_window_256)"``); works with
             ``create_block_mask``, ``and_masks``, ``or_masks`` and ``flex_attention``.
