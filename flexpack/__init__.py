@@ -3,7 +3,7 @@
 Packing (``pack``, ``pack_sequences``, ``PackedLayout``) assigns variable-length samples to rows of
 ``max_len``; masks (``document_causal_mask`` and friends) keep every document to itself in
 FlexAttention; ``attention`` runs them on any device; ``packed_cross_entropy`` keeps the loss
-unbiased.
+unbiased; ``pack_trees`` forwards shared prompts once (GRPO groups, DPO pairs).
 """
 
 from flexpack.attention import RecompileLimitError, attention
@@ -12,6 +12,7 @@ from flexpack.layout import PackedLayout
 from flexpack.loss import packed_cross_entropy
 from flexpack.masks import document_causal_mask, document_mask, prefix_lm_mask
 from flexpack.packing import PackPlan, PackStats, pack
+from flexpack.trees import TreeBatch, pack_trees
 
 __version__ = "0.1.0"
 
@@ -21,11 +22,13 @@ __all__ = [
     "PackedBatch",
     "PackedLayout",
     "RecompileLimitError",
+    "TreeBatch",
     "attention",
     "document_causal_mask",
     "document_mask",
     "pack",
     "pack_sequences",
+    "pack_trees",
     "packed_cross_entropy",
     "prefix_lm_mask",
 ]

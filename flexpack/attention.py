@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexpack import _attention_flex, _attention_sdpa
+from flexpack import _attention_flex, _attention_sdpa, _attention_tree
 from flexpack import masks as _masks
 from flexpack._attention_flex import RecompileLimitError
 
@@ -182,6 +182,8 @@ def _choose_path(
             return "sdpa_document"
         if spec.kind == "causal":
             return "sdpa_causal"
+        if spec.kind == "tree" and spec.mask is not None:
+            return "sdpa_tree"  # one SDPA call per segment (flexpack._attention_tree)
         return "sdpa_dense"
 
     if backend == "sdpa":
@@ -364,6 +366,11 @@ def attention(
     if path == "sdpa_causal":
         return _attention_sdpa.sdpa(
             q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+        )
+    if path == "sdpa_tree":
+        spans = _attention_tree.spans_of(spec.mask)
+        return _attention_tree.per_tree_sdpa(
+            q, k, v, spans, scale=scale, enable_gqa=enable_gqa, softcap=softcap
         )
     dense = _dense_mask(spec, B, Hq, S, q.device)
     return _attention_sdpa.dense_sdpa(

@@ -156,7 +156,9 @@ def flexpack_attention_forward(
         dropout: must be 0 (flexpack attention has no dropout).
         **kwargs: the model call's keywords; read: ``doc_ids`` (B, S) int, ``seq_idx`` (B, S) int,
             ``position_ids`` (B or 1, S) int, ``is_causal``, ``sliding_window``, ``softcap``
-            (attention-logit soft-capping, Gemma 2).
+            (attention-logit soft-capping, Gemma 2), and ``flexpack_mask``: a prebuilt flexpack
+            Mask or BlockMask used as is by every layer (e.g. ``flexpack.pack_trees(...).mask()
+            .block_mask()``, with the batch's ``position_ids``).
 
     Returns:
         ``(attn_output, None)``, attn_output (B, S, Hq, D) as transformers expects.
@@ -197,17 +199,19 @@ def flexpack_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    mask = _mask_for(
-        query.device,
-        B,
-        S,
-        attention_mask,
-        kwargs.get("doc_ids"),
-        kwargs.get("seq_idx"),
-        kwargs.get("position_ids"),
-        bool(is_causal),
-        kwargs.get("sliding_window"),
-    )
+    mask = kwargs.get("flexpack_mask")  # a prebuilt mask (e.g. a TreeBatch's) wins
+    if mask is None:
+        mask = _mask_for(
+            query.device,
+            B,
+            S,
+            attention_mask,
+            kwargs.get("doc_ids"),
+            kwargs.get("seq_idx"),
+            kwargs.get("position_ids"),
+            bool(is_causal),
+            kwargs.get("sliding_window"),
+        )
     out = attention(
         query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq,
         softcap=kwargs.get("softcap"),
