@@ -47,13 +47,57 @@ def test_cached_views_match_computed_views():
             assert a == b, name
 
 
-def test_from_doc_ids_keeps_values_and_splits_runs():
-    layout = PackedLayout.from_doc_ids([[7, 7, 3, 3, 3, -1], [5, -1, 5, 5, -1, -1]])
-    assert layout.doc_ids.tolist()[0] == [7, 7, 3, 3, 3, -1]
-    assert layout.seqlens.tolist() == [2, 3, 1, 2]  # padding inside row 1 cuts two runs of 5
+def test_from_doc_ids_renumbers_runs_per_row():
+    layout = PackedLayout.from_doc_ids([[7, 7, 3, 3, 3, -1], [5, -1, 6, 6, -1, -2]])
+    assert layout.doc_ids.tolist() == [[0, 0, 1, 1, 1, -1], [0, -1, 1, 1, -1, -1]]
+    assert layout.seqlens.tolist() == [2, 3, 1, 2]
     assert layout.position_ids.tolist()[1] == [0, 0, 0, 1, 0, 0]
     one_row = PackedLayout.from_doc_ids(torch.tensor([0, 0, 1]))
     assert one_row.shape == (1, 3)
+
+
+@pytest.mark.parametrize("big", [2**31, 2**32, 2**62])
+def test_ids_past_int32_keep_their_documents(big):
+    """Issue 11: int64 ids were cast to int32, merging documents (2**32 -> 0) or making
+    padding (2**31 -> negative)."""
+    ids = torch.tensor([[0, 0, big, big, big + 1, -1]])
+    layout = PackedLayout.from_doc_ids(ids)
+    assert layout.seqlens.tolist() == [2, 2, 1]
+    assert layout.doc_ids.tolist() == [[0, 0, 1, 1, 2, -1]]
+    assert PackedLayout(ids) == layout
+    from_numpy = PackedLayout.from_doc_ids(np.array([[big, big, 1]], dtype=np.uint64))
+    assert from_numpy.seqlens.tolist() == [2, 1]
+
+
+def test_layout_owns_a_copy_of_doc_ids():
+    ids = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32)
+    layout = PackedLayout(ids)
+    ids.fill_(-1)
+    assert layout.seqlens.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[0, 0, 1, 1, 0, 0], [5, -1, 5, 5], [3, 4, 3]],
+)
+def test_an_id_naming_two_runs_is_refused(row):
+    """Issue 11: the layout counted [0, 0, 1, 1, 0, 0] as three documents with restarted
+    positions while masks, attention and loss (equality semantics) saw one: refuse it."""
+    with pytest.raises(ValueError, match="two separate runs of row 0"):
+        PackedLayout.from_doc_ids([row])
+    with pytest.raises(ValueError, match="contiguous run"):
+        PackedLayout(torch.tensor([row]))
+
+
+def test_cu_seqlens_refuse_to_wrap_past_int32():
+    """Issue 11: cu_seqlens were cumsummed into int32 and wrapped past 2**31 - 1 tokens."""
+    from flexpack.layout import cu_seqlens_of
+
+    assert cu_seqlens_of(np.array([2**31 - 2, 1])).tolist() == [0, 2**31 - 2, 2**31 - 1]
+    with pytest.raises(ValueError, match="int32"):
+        cu_seqlens_of(np.array([2**31 - 1, 1]))
+    with pytest.raises(ValueError, match="int32"):
+        PackedLayout.from_cu_seqlens([0, 2**31], shape=(1, 2**31))
 
 
 def test_from_position_ids():
@@ -117,6 +161,12 @@ def test_accepts_numpy_and_other_int_dtypes():
         (lambda: PackedLayout.from_cu_seqlens([1, 3]), ValueError, "starting at 0"),
         (lambda: PackedLayout.from_cu_seqlens([0, 3, 2]), ValueError, "non-decreasing"),
         (lambda: PackedLayout.from_cu_seqlens([0, 3], [0, 1, 2]), ValueError, "shape"),
+        (lambda: PackedLayout.from_cu_seqlens([0, 3], shape=(1,)), ValueError, "two non-neg"),
+        (
+            lambda: PackedLayout.from_cu_seqlens([0, 3], [0, 1, 2], shape=(3,)),
+            ValueError,
+            r"\(B, S\)",
+        ),
         (
             lambda: PackedLayout.from_cu_seqlens([0, 3], [1, 2, 3], shape=(2, 2)),
             ValueError,
