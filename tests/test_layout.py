@@ -187,3 +187,54 @@ def test_accepts_numpy_and_other_int_dtypes():
 def test_bad_input_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def _loss_per_document(logits, labels, runs):
+    """Reference "document" loss: mean over documents (row, start, stop) of their token mean."""
+    import torch.nn.functional as F
+
+    per_doc = [
+        F.cross_entropy(logits[b, a : c - 1], labels[b, a + 1 : c]) for b, a, c in runs if c - a > 1
+    ]
+    return torch.stack(per_doc).mean()
+
+
+def test_layout_masks_attention_and_loss_agree_on_documents():
+    """Issue 11: one meaning of "document" for the layout, the masks (both attention paths) and
+    the loss. Ids of any size work; an id naming two runs is refused by the layout, and masks,
+    attention and loss, which accept it, all read it as one document (equality semantics)."""
+    import flexpack
+    from flexpack import masks
+    from flexpack._attention_sdpa import document_groups
+
+    ids = torch.tensor([[7, 7, 2**40, 2**40, 2**40, -1], [2**33, 2**33, 2**33, 2**33, 1, 1]])
+    layout = PackedLayout.from_doc_ids(ids)
+    mask = masks.document(ids) & masks.causal()
+    groups = document_groups(mask.doc_ids).seqlens.tolist()  # ordered by id within a row
+    assert sorted(groups[:2]) + sorted(groups[2:]) == sorted(layout.seqlens.tolist()[:2]) + sorted(
+        layout.seqlens.tolist()[2:]
+    )
+    q, k, v = torch.randn(3, 2, 2, 6, 4, dtype=torch.float64).unbind(0)
+    by_layout = masks.document(layout.doc_ids) & masks.causal()
+    torch.testing.assert_close(
+        flexpack.attention(q, k, v, mask), flexpack.attention(q, k, v, by_layout)
+    )
+    logits = torch.randn(2, 6, 5, dtype=torch.float64)
+    labels = torch.randint(0, 5, (2, 6))
+    runs = [(0, 0, 2), (0, 2, 5), (1, 0, 4), (1, 4, 6)]
+    want = _loss_per_document(logits, labels, runs)
+    for d in (ids, layout.doc_ids):
+        got = flexpack.packed_cross_entropy(logits, labels, d, reduction="document")
+        torch.testing.assert_close(got, want)
+
+    repeated = torch.tensor([[0, 0, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="two separate runs"):
+        PackedLayout.from_doc_ids(repeated)
+    one_doc = (repeated[0, :, None] == repeated[0, None, :]).int()
+    dense = masks.document(repeated).mask_mod(0, 0, torch.arange(6)[:, None], torch.arange(6))
+    assert torch.equal(dense.int(), one_doc)
+    assert document_groups(masks.document(repeated).doc_ids).seqlens.tolist() == [4, 2]
+    got = flexpack.packed_cross_entropy(logits[:1], labels[:1], repeated, reduction="document")
+    ce = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
+    want = ((ce[0] + ce[4]) / 2 + ce[2]) / 2  # documents: id 0 (pairs 0-1, 4-5), id 1 (2-3)
+    torch.testing.assert_close(got, want)
