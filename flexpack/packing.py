@@ -245,6 +245,15 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         ) from None
     if arr.size == 0:
         arr = arr.astype(np.int64).reshape(-1)
+    # Python ints past int64 make numpy pick float64 ([3, 2**63]) or object ([3, 2**64]).
+    big = None
+    if arr.dtype.kind in "fO" and arr.ndim == 1 and all(type(x) is int for x in lengths):
+        big = next((j for j, x in enumerate(lengths) if not -(2**63) <= x < 2**63), None)
+    if big is not None:
+        raise ValueError(
+            f"lengths[{big}] = {lengths[big]} does not fit int64: lengths are tokens per sample; "
+            "pass e.g. [len(s) for s in samples]."
+        )
     if arr.dtype.kind not in "iu":
         raise TypeError(
             f"lengths must be integers (tokens per sample); got dtype {arr.dtype} "
@@ -254,6 +263,12 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         raise ValueError(
             f"lengths must be 1-D (one length per sample); got shape {arr.shape}. Flatten it."
         )
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _NO_LIMIT:
+        bad = int(np.argmax(arr > _NO_LIMIT))
+        raise ValueError(
+            f"lengths[{bad}] = {int(arr[bad])} does not fit int64: lengths are tokens per "
+            "sample; pass e.g. [len(s) for s in samples]."
+        )
     arr = arr.astype(np.int64)  # a copy: the plan keeps it read-only
     if arr.size and arr.min() < 0:
         bad = int(np.argmax(arr < 0))
@@ -262,6 +277,15 @@ def _as_lengths(lengths: Any) -> np.ndarray:
             f"({int((arr < 0).sum())} negative in all)"
         )
     return arr
+
+
+def _exact_sum(a: np.ndarray) -> int:
+    """Sum of non-negative int64 ``a`` as a Python int: never wraps (int64 sums can)."""
+    if a.size == 0:
+        return 0
+    if int(a.max()) <= _NO_LIMIT // a.size:  # cannot overflow: one fast numpy sum
+        return int(a.sum())
+    return sum(a.tolist())
 
 
 def _check_int(value: Any, name: str, *, minimum: int) -> int:
@@ -332,7 +356,7 @@ def pack(
         )
     lengths = _as_lengths(lengths)
     n = lengths.shape[0]
-    tokens = int(lengths.sum())
+    tokens = _exact_sum(lengths)
 
     long = lengths > max_len
     n_long = int(long.sum()) if n else 0
@@ -344,8 +368,8 @@ def pack(
             "(cut them into max_len pieces, each its own document), 'truncate' (keep the first "
             "max_len tokens) or 'drop' (leave them out), or raise max_len."
         )
-    truncated = int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0
-    dropped = int(lengths[long].sum()) if overflow == "drop" else 0
+    truncated = _exact_sum(lengths[long] - max_len) if overflow == "truncate" else 0
+    dropped = _exact_sum(lengths[long]) if overflow == "drop" else 0
 
     from flexpack import _kernels as K
 

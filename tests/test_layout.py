@@ -238,3 +238,20 @@ def test_layout_masks_attention_and_loss_agree_on_documents():
     ce = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
     want = ((ce[0] + ce[4]) / 2 + ce[2]) / 2  # documents: id 0 (pairs 0-1, 4-5), id 1 (2-3)
     torch.testing.assert_close(got, want)
+
+
+def test_every_cu_seqlens_maker_refuses_to_wrap(monkeypatch):
+    """Issue 11: the int32 guard is on every path that builds cu_seqlens (layout view, packer
+    fast path, attention's document grouping); shown with the limit lowered to 4 tokens."""
+    from flexpack import layout as layout_mod
+    from flexpack._attention_sdpa import document_groups
+
+    monkeypatch.setattr(layout_mod, "_INT32_MAX", 4)
+    ids = torch.tensor([[0, 0, 0, 1, 1]])
+    with pytest.raises(ValueError, match="int32"):
+        _ = PackedLayout(ids).cu_seqlens
+    with pytest.raises(ValueError, match="int32"):
+        PackedLayout.from_seqlens([[3, 2]])
+    with pytest.raises(ValueError, match="int32"):
+        document_groups(ids)
+    assert PackedLayout.from_seqlens([[3, 1]]).cu_seqlens.tolist() == [0, 3, 4]
