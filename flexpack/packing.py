@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from flexpack._choices import OVERFLOWS, STRATEGIES
 from flexpack.layout import PackedLayout
 
 if TYPE_CHECKING:
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "DocsPerRow", "PackPlan", "PackStats", "pack"]
 
-STRATEGIES = ("bfd", "ffd", "greedy", "wrap")
-OVERFLOWS = ("error", "split", "truncate", "drop")
 _NO_LIMIT = np.iinfo(np.int64).max
 _BFD_MAX_LEN = 1 << 24  # bfd's capacity table: 8 bytes per capacity, 128 MiB at this limit
 
