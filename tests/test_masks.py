@@ -254,3 +254,15 @@ def test_attention_on_an_empty_batch_is_empty() -> None:
     assert out.shape == (0, 2, 4, 8)
     out.sum().backward()
     assert q.grad.shape == q.shape
+
+
+def test_prefix_lm_hint_names_a_renumbering_that_works() -> None:
+    """Issue 11: the hint said from_doc_ids renumbers, which it did not; now it does, and the
+    message names the exact call."""
+    ids = torch.tensor([[3, 3, 5, 5, 5, -1]])
+    prefix = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"PackedLayout\.from_doc_ids\(doc_ids\)\.doc_ids"):
+        masks.prefix_lm(ids, prefix)
+    fixed = flexpack.PackedLayout.from_doc_ids(ids).doc_ids
+    assert fixed.tolist() == [[0, 0, 1, 1, 1, -1]]
+    assert masks.prefix_lm(fixed, prefix).kind == "prefix_lm"
