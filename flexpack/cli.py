@@ -605,7 +605,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     sub = _subparser(parser, args.command)
-    try:  # flag values that argparse cannot check alone: paths and installed extras
+    try:  # values that argparse cannot check alone: paths and installed extras
+        if args.command in ("pack", "stats"):
+            _check_input(args.input)
         if args.command == "pack":
             _writable_file(args.out, "--out")
             _import_pyarrow_parquet("flexpack pack writes Parquet, which")

@@ -119,12 +119,14 @@ def test_pack_errors(tmp_path, capsys, content, args, message):
 
 
 def test_input_errors(tmp_path, capsys):
-    assert main(["stats", str(tmp_path / "missing.jsonl"), "--max-len", "4"]) == 2
-    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(tmp_path / "missing.jsonl"), "--max-len", "4"])
+    assert exit_.value.code == 2 and "no such file" in capsys.readouterr().err
     csv = tmp_path / "in.csv"
     csv.write_text("1,2\n")
-    assert main(["stats", str(csv), "--max-len", "4"]) == 2
-    assert "unknown format" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(csv), "--max-len", "4"])
+    assert exit_.value.code == 2 and "unknown format" in capsys.readouterr().err
     bad = tmp_path / "in.parquet"
     pq.write_table(pa.table({"x": [[1]]}), bad)
     assert main(["stats", str(bad), "--max-len", "4"]) == 2
@@ -253,8 +255,11 @@ def test_unwritable_out_is_a_usage_error(tmp_path, capsys):
 
 
 def test_input_that_is_a_directory_or_not_utf8(tmp_path, capsys):
-    assert main(["stats", str(tmp_path), "--max-len", "4"]) == 2
-    assert "is a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(tmp_path), "--max-len", "4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: flexpack stats")
+    assert "is a directory" in err
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"input_ids": [1]}\n{"input_ids": [2], "note": "caf\xe9"}\n')
     assert main(["stats", str(latin), "--max-len", "4"]) == 2
