@@ -379,6 +379,12 @@ def pack_sequences(
         **pack_kwargs: ``strategy``, ``overflow``, ``seed``, ``max_docs_per_row`` of
             :func:`flexpack.pack`.
 
+    Raises:
+        TypeError: a sample is not token ids (``[1, "a"]``, ``None``, ``[1, [2]]``: the error
+            names the sample and the element; flexpack does not tokenize), or ``pad_id`` is not
+            an int.
+        ValueError: a token id or ``pad_id`` past int64, or what :func:`flexpack.pack` rejects.
+
     Example:
         >>> batch = pack_sequences([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]},
         ...                         [4, 5]], max_len=6, strategy="greedy")

@@ -50,11 +50,11 @@ def _check_int32_tokens(total: int) -> None:
         )
 
 
-def cu_seqlens_of(seqlens: np.ndarray) -> np.ndarray:
+def _cu_seqlens_of(seqlens: np.ndarray) -> np.ndarray:
     """(N + 1,) int32 cumulative ``seqlens`` (N,) from 0; ValueError past 2**31 - 1 tokens.
 
     Example:
-        >>> cu_seqlens_of(np.array([3, 2]))
+        >>> _cu_seqlens_of(np.array([3, 2]))
         array([0, 3, 5], dtype=int32)
     """
     cu = np.zeros(seqlens.shape[0] + 1, dtype=np.int64)
@@ -294,7 +294,7 @@ class PackedLayout:
         doc_ids (B * S,) int32, position_ids (B * S,) int64, seqlens (N,), num_docs (B,),
         indices (T,) int64 must describe the same canonical layout."""
         num_rows = num_docs.shape[0]
-        cu = cu_seqlens_of(seqlens)
+        cu = _cu_seqlens_of(seqlens)
 
         def t(a: np.ndarray) -> Tensor:
             x = torch.from_numpy(a)

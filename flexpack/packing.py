@@ -53,8 +53,10 @@ class DocsPerRow:
 class PackStats:
     """What a packing did with the tokens it was given.
 
-    ``tokens == placed + truncated + dropped`` always holds. ``lower_bound_rows`` is
-    ``ceil(placed / max_len)``: no packer can use fewer rows for the tokens it places.
+    ``tokens == placed + truncated + dropped`` always holds; the counts are exact Python ints,
+    never wrapped (``pack([2**62] * 3, 8, overflow="drop").stats.tokens == 3 * 2**62``).
+    ``lower_bound_rows`` is ``ceil(placed / max_len)``: no packer can use fewer rows for the
+    tokens it places.
     """
 
     samples: int
@@ -214,7 +216,10 @@ class PackPlan:
             pad_id: token id written on padding.
 
         Raises:
-            ValueError: a sequence's length differs from the one the plan was made for.
+            ValueError: a sequence's length differs from the one the plan was made for, or a
+                token id or ``pad_id`` does not fit int64.
+            TypeError: a sample is not a 1-D sequence of integer token ids (the error names the
+                sample and the element), or ``pad_id`` is not an int.
 
         Example:
             >>> seqs = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
@@ -324,8 +329,8 @@ def pack(
 
     Raises:
         TypeError: non-integer lengths or max_len.
-        ValueError: negative lengths or seed, ``max_len < 1``, unknown strategy or overflow, or
-            ``overflow="error"`` with samples longer than ``max_len``.
+        ValueError: negative lengths or seed, lengths past int64, ``max_len < 1``, unknown
+            strategy or overflow, or ``overflow="error"`` with samples longer than ``max_len``.
 
     Example:
         >>> plan = pack([3, 5, 2, 4, 7], max_len=8)

@@ -91,11 +91,11 @@ def test_an_id_naming_two_runs_is_refused(row):
 
 def test_cu_seqlens_refuse_to_wrap_past_int32():
     """Issue 11: cu_seqlens were cumsummed into int32 and wrapped past 2**31 - 1 tokens."""
-    from flexpack.layout import cu_seqlens_of
+    from flexpack.layout import _cu_seqlens_of
 
-    assert cu_seqlens_of(np.array([2**31 - 2, 1])).tolist() == [0, 2**31 - 2, 2**31 - 1]
+    assert _cu_seqlens_of(np.array([2**31 - 2, 1])).tolist() == [0, 2**31 - 2, 2**31 - 1]
     with pytest.raises(ValueError, match="int32"):
-        cu_seqlens_of(np.array([2**31 - 1, 1]))
+        _cu_seqlens_of(np.array([2**31 - 1, 1]))
     with pytest.raises(ValueError, match="int32"):
         PackedLayout.from_cu_seqlens([0, 2**31], shape=(1, 2**31))
 
