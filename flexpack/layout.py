@@ -67,8 +67,10 @@ def _canonical_doc_ids(d: Tensor) -> Tensor:
     """(B, S) int32: the runs of ``d`` numbered 0..n-1 per row, -1 on padding (a new tensor).
 
     Raises ValueError when an id names two separate runs of a row."""
-    if d.dtype == torch.uint64:  # no comparisons on uint64 tensors; via numpy
-        d = _as_int_tensor(d.numpy(), "doc_ids")
+    if d.dtype == torch.uint64:  # no comparisons on uint64 tensors; via numpy (checks range)
+        d = _as_int_tensor(d.cpu().numpy(), "doc_ids").to(d.device)
+    elif d.dtype in (torch.uint16, torch.uint32):  # nor on these: int64 holds them all
+        d = d.to(torch.int64)
     real = d >= 0
     start = real.clone()
     start[:, 1:] &= d[:, 1:] != d[:, :-1]

@@ -69,6 +69,13 @@ def test_ids_past_int32_keep_their_documents(big):
     assert from_numpy.seqlens.tolist() == [2, 1]
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64]
+)
+def test_every_integer_dtype(dtype):
+    assert PackedLayout(torch.tensor([[1, 1, 2, 0]]).to(dtype)).seqlens.tolist() == [2, 1, 1]
+
+
 def test_layout_owns_a_copy_of_doc_ids():
     ids = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32)
     layout = PackedLayout(ids)
