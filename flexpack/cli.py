@@ -429,7 +429,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
     samples = _read(args.input, args.column, None, not args.quiet and sys.stderr.isatty())
     lengths = samples.lengths
-    loads, lines = {}, []
+    t = time.perf_counter()
+    from flexpack import _kernels  # noqa: F401  (numba and the kernel module, shared by all)
+
+    loads, lines = {"kernel module import": time.perf_counter() - t}, []
     for strategy in STRATEGIES:  # all of it first: nothing is printed if one fails
         if strategy != "wrap":
             _check_overflow(lengths, args.max_len, args.overflow, strategy)
