@@ -339,6 +339,8 @@ def attention(
     spec = _mask_spec(mask, q)
     path = _choose_path(q, k, v, spec, backend, softcap)
     B, Hq, S, _ = q.shape
+    if B == 0:  # an empty batch (a last, empty shard): an empty result, still in the graph
+        return q * 0.0
 
     if path == "flex":
         if not torch.is_grad_enabled():

@@ -119,6 +119,9 @@ class _BlockStats:
     def __init__(self, doc_ids: Tensor, block_size: int) -> None:
         B, S = doc_ids.shape
         nb = _num_blocks(S, block_size)
+        # One block covers the whole row when block_size >= S: its statistics are over S
+        # tokens, so memory follows S and not block_size (block_size=2**40 is fine).
+        block_size = min(block_size, S)
         tail = nb * block_size - S
         d = _narrow(doc_ids)
         real = d >= 0
@@ -307,9 +310,10 @@ def classify_prefix_lm(doc_ids: Tensor, in_prefix: Tensor, block_size: int) -> T
     # Diagonal: non-empty iff the block holds a real token (the pair (t, t)). Full iff one
     # document, no padding, and every token but the block's first in the prefix (those are
     # the keys some query of the block sees ahead of itself).
+    width = min(block_size, S)  # in-range tokens per block when one block covers the row
     block_start = (torch.arange(S, device=doc_ids.device) % block_size) == 0
-    ok = torch.nn.functional.pad(in_prefix | block_start, (0, nb * block_size - S), value=True)
-    diag_full = stats.single & stats.all_real & ok.view(B, nb, block_size).all(-1)
+    ok = torch.nn.functional.pad(in_prefix | block_start, (0, nb * width - S), value=True)
+    diag_full = stats.single & stats.all_real & ok.view(B, nb, width).all(-1)
     diag = _classes(stats.any_real, diag_full)
     out[:, i, i] = diag
     return out

@@ -8,7 +8,9 @@ at every (q, kv) pair as ``create_block_mask`` does. Masks compose with ``&``, `
 Shape legend:
     B: rows of the packed batch; S: tokens per row (queries and keys alike).
     doc_ids: (S,) or (B, S) integer tensor; any negative value marks padding, which attends to
-        nothing and is attended by nothing. (S,) is treated as (1, S).
+        nothing and is attended by nothing. (S,) is treated as (1, S). A mask keeps its own copy,
+        taken when it is built: every path (BlockMask, flex, SDPA, dense) reads that copy, so
+        changing the tensor afterwards changes no mask. Build a new mask for a new layout.
     prefix_lengths: (num_docs,) for (S,) doc ids, (B, max_docs) for (B, S) doc ids.
     segment_ids, parents: the prefix-tree layout of :func:`tree`: (S,) or (B, S) segment of each
         token (-1 on padding), and (n,) or (B, max_segments) parent of each segment (-1 a root).
@@ -69,7 +71,7 @@ _KINDS = (
 
 
 def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
-    """Validate doc ids and return them as a (B, S) tensor (a view for (S,) input)."""
+    """Validate doc ids and return a (B, S) copy that the mask owns (one snapshot for all paths)."""
     if not isinstance(doc_ids, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor of integer document ids, got {type(doc_ids).__name__}; "
@@ -94,7 +96,7 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
         )
     if not doc_ids.dtype.is_signed:  # uint8, ...: valid ids, but -1 (padding) must fit
         doc_ids = doc_ids.to(torch.int64)
-    return doc_ids if doc_ids.dim() == 2 else doc_ids[None]
+    return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
 
 
 def _check_block_size(block_size: Any) -> int:
@@ -158,8 +160,9 @@ def _prefix_flags(doc_ids: Tensor, prefix_lengths: Any) -> Tensor:
         raise ValueError(
             f"prefix_lm needs doc ids 0..n-1 in order with each document contiguous in its row "
             f"(what the packer emits); row {bad_row} is {doc_ids[bad_row].tolist()[:64]}. "
-            f"Renumber the row with flexpack.PackedLayout.from_doc_ids, or use document(...) "
-            f"for arbitrary ids."
+            f"Renumber the rows with flexpack.PackedLayout.from_doc_ids(doc_ids).doc_ids (runs "
+            f"numbered 0..n-1 per row; prefix_lengths then follow that order), or use "
+            f"document(...) for arbitrary ids."
         )
     num_docs = best[:, -1] + 1  # (B,)
     max_docs = int(num_docs.max())
@@ -338,8 +341,8 @@ class Mask:
         mask_mod: plain ``(b, h, q_idx, kv_idx) -> bool Tensor`` callable with a stable
             ``__name__`` (e.g. ``"and(document_causal, sliding_window_256)"``); works with
             ``create_block_mask``, ``and_masks``, ``or_masks`` and ``flex_attention``.
-        doc_ids: (B, S) integer tensor the mask was built from (for compositions, that of the
-            first factor that has one), or None.
+        doc_ids: (B, S) integer tensor, the mask's own copy of the ids it was built from (for
+            compositions, that of the first factor that has one), or None.
         window: the window of a sliding_window mask, else None.
         children: the factors of an and/or/not mask, else ().
 
