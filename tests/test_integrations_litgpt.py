@@ -229,7 +229,7 @@ def test_packed_gpt_module_wraps_without_copying():
 def test_bad_inputs_say_what_to_do():
     model = make_model("llama")
     ids = torch.zeros(1, 4, dtype=torch.long)
-    with pytest.raises(TypeError, match="litgpt.GPT"):
+    with pytest.raises(TypeError, match=r"litgpt\.GPT"):
         packed_forward(torch.nn.Linear(2, 2), ids, ids)
     with pytest.raises(ValueError, match=r"\(B, S\)"):
         packed_forward(model, ids, torch.zeros(1, 5, dtype=torch.long))
