@@ -392,3 +392,13 @@ def test_finetune_20_steps_equals_unpacked_training_and_saves_a_litgpt_checkpoin
     for (name, p), q in zip(model.named_parameters(), loaded.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=name)
     assert (final / "prompt_style.yaml").is_file() and (final / "tokenizer.json").is_file()
+
+
+def test_docstring_example_pythia_14m():
+    # packed_forward's docstring example (its doctest is skipped where litgpt is absent).
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("pythia-14m"))
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    logits = packed_forward(model, batch.input_ids, batch.doc_ids)
+    alone = model(batch.input_ids[:, 3:5])
+    assert torch.allclose(logits[0, 3:5], alone[0], atol=1e-5)

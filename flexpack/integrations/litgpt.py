@@ -210,7 +210,8 @@ def packed_forward(
         >>> model = GPT(Config.from_name("pythia-14m"))                        # doctest: +SKIP
         >>> batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)   # doctest: +SKIP
         >>> logits = packed_forward(model, batch.input_ids, batch.doc_ids)    # doctest: +SKIP
-        >>> torch.allclose(logits[0, 3:5], model(batch.input_ids[:, 3:5])[0], atol=1e-5)
+        >>> alone = model(batch.input_ids[:, 3:5])  # 2nd document alone   # doctest: +SKIP
+        >>> torch.allclose(logits[0, 3:5], alone[0], atol=1e-5)             # doctest: +SKIP
         True
     """
     _check_inputs(model, input_ids, doc_ids, position_ids)
@@ -383,7 +384,8 @@ class PackedDataModule:
 
     Example:
         >>> from litgpt.data import JSON                                        # doctest: +SKIP
-        >>> data = PackedDataModule(JSON(Path("data.json"), val_split_fraction=0.1), 2048)
+        >>> inner = JSON(Path("data.json"), val_split_fraction=0.1)             # doctest: +SKIP
+        >>> data = PackedDataModule(inner, max_len=2048)                          # doctest: +SKIP
         >>> data.connect(tokenizer, batch_size=2)                                # doctest: +SKIP
         >>> data.setup()                                                          # doctest: +SKIP
         >>> batch = next(iter(data.train_dataloader()))                           # doctest: +SKIP
