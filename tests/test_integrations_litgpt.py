@@ -402,3 +402,37 @@ def test_docstring_example_pythia_14m():
     logits = packed_forward(model, batch.input_ids, batch.doc_ids)
     alone = model(batch.input_ids[:, 3:5])
     assert torch.allclose(logits[0, 3:5], alone[0], atol=1e-5)
+
+
+def test_docs_litgpt_blocks_run(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "litgpt.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.S | re.M)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    namespace = {"__name__": "docs_litgpt"}
+    for i, block in enumerate(blocks):
+        try:
+            exec(compile(block, f"docs/litgpt.md python block {i}", "exec"), namespace)
+        except Exception as err:  # pragma: no cover - the message is the point
+            raise AssertionError(f"python block {i} of docs/litgpt.md failed:\n{block}") from err
+    stats = namespace["data"].train_plan.stats
+    assert stats.rows < stats.samples  # rows hold several samples
+
+    # The pretraining block's loss is the mean over every document run alone, targets inside it.
+    model, train_data, doc_ids = (namespace[k] for k in ("model", "train_data", "doc_ids"))
+    S = train_data.shape[1] - 1
+    total, count = 0.0, 0
+    for r in range(train_data.shape[0]):
+        for i in torch.unique(doc_ids[r]).tolist():
+            pos = torch.nonzero(doc_ids[r] == i).reshape(-1)
+            inputs = pos[pos < S]
+            with_target = inputs[doc_ids[r, inputs + 1] == i]
+            if len(with_target) == 0:
+                continue
+            logits = model(train_data[r, inputs][None])[0][: len(with_target)]
+            total = total + F.cross_entropy(logits, train_data[r, with_target + 1], reduction="sum")
+            count += len(with_target)
+    torch.testing.assert_close(namespace["loss"], total / count, rtol=0, atol=1e-5)
