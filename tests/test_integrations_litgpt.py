@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 litgpt = pytest.importorskip("litgpt")
 
 from litgpt import GPT, Config  # noqa: E402
+from litgpt.data import DataModule  # noqa: E402
 from litgpt.model import Block, CausalSelfAttention  # noqa: E402
 
 import flexpack  # noqa: E402
@@ -170,6 +171,24 @@ def test_property_any_layout_matches_documents_alone(lengths, slack, kind):
 _MODELS: dict[str, GPT] = {}
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2"])
+def test_bf16_autocast_is_within_bf16_noise(kind):
+    # Fabric's "bf16-mixed" runs the forward under autocast. The packed result's error against
+    # fp32 stays within twice LitGPT's own bf16 error on each document alone.
+    model = make_model(kind)
+    batch = packed_docs([7, 13, 4, 9, 11, 3], max_len=24)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = packed_forward(model, batch.input_ids, batch.doc_ids)
+    assert logits.dtype == torch.bfloat16
+    for r, pos in documents(batch):
+        ids = batch.input_ids[r, pos][None]
+        exact = model(ids)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lit_bf16 = model(ids)[0].float()
+        own_noise = (lit_bf16 - exact).abs().max().item()
+        assert (logits[r, pos].float() - exact).abs().max().item() <= 2 * own_noise + 0.05
+
+
 def test_model_is_left_exactly_as_it_was():
     model = make_model("gemma2")
     methods = {cls: cls.forward for cls in (GPT, Block, CausalSelfAttention)}
@@ -311,6 +330,79 @@ def test_packed_data_module_keeps_prompt_masks_and_every_sample(workdir):
     assert plan.stats.samples == len(inner.train_dataset)
     assert plan.stats.placed == plan.stats.tokens  # nothing truncated or dropped
     assert rows[0] + rows[1] >= plan.num_rows  # every row served (a few twice)
+
+
+class ListData(DataModule):
+    """The smallest LitGPT DataModule: in-memory SFT samples, no tokenizer."""
+
+    def __init__(self, train, val):
+        super().__init__()
+        self.train, self.val = train, val
+
+    def connect(self, tokenizer=None, batch_size=1, max_seq_length=None):
+        self.max_seq_length = max_seq_length
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(self.train)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(self.val)
+
+
+@settings(max_examples=15)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    world_size=st.integers(1, 4),
+    batch_size=st.integers(1, 3),
+    epoch=st.integers(0, 2),
+)
+def test_property_equal_rows_per_rank_and_every_sample_each_epoch(
+    lengths, world_size, batch_size, epoch
+):
+    samples = [
+        {"input_ids": torch.full((n,), 3 + i), "labels": torch.full((n,), -100 if i % 2 else 3 + i)}
+        for i, n in enumerate(lengths)
+    ]
+    seen, rows = set(), []
+    for rank in range(world_size):
+        data = PackedDataModule(
+            ListData(samples, samples[:1]), 48, world_size=world_size, rank=rank
+        )
+        data.connect(batch_size=batch_size)
+        data.setup()
+        data.set_epoch(epoch)
+        batches = list(data.train_dataloader())
+        rows.append([b["input_ids"].shape[0] for b in batches])
+        for b in batches:
+            d = b["doc_ids"]
+            for r in range(d.shape[0]):
+                for i in torch.unique(d[r][d[r] >= 0]).tolist():
+                    pos = torch.nonzero(d[r] == i).reshape(-1)
+                    sample = int(b["input_ids"][r, pos[0]]) - 3
+                    assert len(pos) == lengths[sample]
+                    want = samples[sample]["labels"].clone()
+                    want[0] = -100
+                    assert b["labels"][r, pos].tolist() == want.tolist()
+                    seen.add(sample)
+    assert all(r == rows[0] for r in rows)  # same batches, same sizes, on every rank
+    assert seen == set(range(len(lengths)))  # every sample this epoch
+
+
+@settings(max_examples=20)
+@given(warmup=st.integers(0, 10), extra=st.integers(1, 30))
+def test_property_lr_schedule_warms_up_then_decays(warmup, extra):
+    max_steps = warmup + extra
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    sched = lr_schedule(opt, warmup, max_steps)
+    rates = []
+    for _ in range(max_steps):
+        rates.append(sched.get_last_lr()[0])
+        opt.step()
+        sched.step()
+    assert all(0 < r <= 1 for r in rates)  # the first step trains (LitGPT's starts at 0)
+    assert rates[:warmup] == sorted(rates[:warmup])
+    assert rates[warmup:] == sorted(rates[warmup:], reverse=True)
+    assert rates[min(warmup, max_steps - 1)] == pytest.approx(1.0)
 
 
 def test_packed_data_module_rejects_non_datamodules():
