@@ -528,3 +528,58 @@ def test_docs_litgpt_blocks_run(tmp_path, monkeypatch):
             total = total + F.cross_entropy(logits, train_data[r, with_target + 1], reduction="sum")
             count += len(with_target)
     torch.testing.assert_close(namespace["loss"], total / count, rtol=0, atol=1e-5)
+
+
+def test_finetune_ddp_two_processes_equals_averaged_unpacked_gradients(workdir):
+    # Fabric DDP on CPU (gloo), launched as a user would: two processes, equal rows per rank
+    # (else a collective would hang), gradients averaged over the ranks.
+    import subprocess
+    import sys
+
+    from litgpt import Tokenizer
+
+    out = workdir / "ddp"
+    lr, steps, seed = 3e-3, 4, 11
+    # fmt: off
+    cmd = [
+        sys.executable, "-m", "flexpack.integrations.litgpt", "finetune", str(workdir / "ckpt"),
+        "--data", "JSON", "--data.json_path", str(workdir / "data.json"),
+        "--data.val_split_fraction", "0.1", "--data.mask_prompt", "true", "--max-len", "256",
+        "--out_dir", str(out), "--precision", "32-true", "--seed", str(seed), "--devices", "2",
+        "--train.max_steps", str(steps), "--train.lr_warmup_steps", "0",
+        "--optimizer.lr", str(lr), "--optimizer.weight_decay", "0", "--progress", "false",
+        "--eval.final_validation", "false",
+    ]
+    # fmt: on
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    config = Config.from_file(workdir / "ckpt" / "model_config.yaml")
+    model = GPT(config)
+    model.load_state_dict(torch.load(workdir / "ckpt" / "lit_model.pth"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    scheduler = lr_schedule(optimizer, 0, steps)
+    loaders = []
+    for rank in (0, 1):
+        data = PackedDataModule(json_data(workdir), 256, seed=seed, world_size=2, rank=rank)
+        data.connect(Tokenizer(workdir / "ckpt"), batch_size=1, max_seq_length=256)
+        data.setup()
+        loaders.append(data.train_dataloader())
+    assert len(loaders[0]) == len(loaders[1])
+    for _, batches in zip(range(steps), zip(*loaders, strict=True), strict=False):
+        for b in batches:  # each rank's token mean, then the mean over ranks (DDP)
+            total, count = 0.0, 0
+            d = b["doc_ids"][0]
+            for i in torch.unique(d[d >= 0]).tolist():
+                pos = torch.nonzero(d == i).reshape(-1)
+                logits = model(b["input_ids"][0, pos][None])[0]
+                target = b["labels"][0, pos][1:]
+                total = total + F.cross_entropy(logits[:-1], target, reduction="sum")
+                count += int((target != -100).sum())
+            (total / count / len(batches)).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    saved = torch.load(out / "final" / "lit_model.pth")["model"]
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(saved[name], p.detach(), rtol=1e-3, atol=1e-5, msg=name)

@@ -496,6 +496,8 @@ class PackedDataModule:
 
         if rows is None:
             raise RuntimeError("call setup() before asking for a dataloader")
+        if len(rows) == 0:  # an empty split (e.g. no validation samples): an empty loader
+            return torch.utils.data.DataLoader(rows, batch_size=self.batch_size)
         sampler = DistributedPackedSampler(
             rows,
             num_replicas=self.world_size,
@@ -678,7 +680,8 @@ def _validate(fabric: Any, packed: nn.Module, loader: Any, reduction: str) -> fl
             total += loss.float()
             count += 1
     packed.train()
-    total, count = fabric.all_reduce(total, reduce_op="sum"), fabric.all_reduce(count, "sum")
+    total = fabric.all_reduce(total, reduce_op="sum")
+    count = fabric.all_reduce(count, reduce_op="sum")
     return float(total / count.clamp(min=1))
 
 
