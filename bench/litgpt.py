@@ -68,14 +68,18 @@ def json_module(path: Path):
     return JSON(path, val_split_fraction=0.01, mask_prompt=False, num_workers=0)
 
 
-def train_epoch(model, batches, step_fn) -> float:
+def train_epoch(model, batches, step_fn, device) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     for batch in batches:
         loss = step_fn(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
@@ -86,6 +90,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=2, help="epochs per method; best kept")
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (fp32 either way)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,12 +118,23 @@ def main() -> None:
         model.load_state_dict(state)
         return model
 
-    results = []  # (label, rows, slots, real tokens, seconds, setup seconds)
+    device = torch.device(args.device)
+
+    def to_device(batches):
+        return [
+            {k: v.to(device) for k, v in b.items() if isinstance(v, torch.Tensor)} for b in batches
+        ]
 
     def lit_step(model, batch):
         logits = model(batch["input_ids"])
         return chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:])
 
+    def packed_step(model, batch):
+        logits = packed_forward(model, batch["input_ids"], batch["doc_ids"],
+                                position_ids=batch["position_ids"])  # fmt: skip
+        return flexpack.packed_cross_entropy(logits, batch["labels"], batch["doc_ids"])
+
+    runs = []  # one dict per layout; every layout trains a fresh copy of the same weights
     for mbs in args.micro_batch_sizes:
         t0 = time.perf_counter()
         data = json_module(tmp / "data.json")
@@ -126,18 +142,17 @@ def main() -> None:
         data.setup()
         batches = list(data.train_dataloader())
         setup_s = time.perf_counter() - t0
-        real = sum(int(b["token_counts"]["raw_plus_prompt_template"].sum()) for b in batches)
-        slots = sum(b["input_ids"].numel() for b in batches)
-        rows = sum(b["input_ids"].shape[0] for b in batches)
-        model = fresh_model()
+        model = fresh_model().to(device)
         model.max_seq_length = max(b["input_ids"].shape[1] for b in batches)
-        best = min(train_epoch(model, batches, lit_step) for _ in range(args.repeats))
-        results.append((f"LitGPT padded, micro_batch_size={mbs}", rows, slots, real, best, setup_s))
-
-    def packed_step(model, batch):
-        logits = packed_forward(model, batch["input_ids"], batch["doc_ids"],
-                                position_ids=batch["position_ids"])  # fmt: skip
-        return flexpack.packed_cross_entropy(logits, batch["labels"], batch["doc_ids"])
+        runs.append(
+            dict(
+                label=f"LitGPT padded, micro_batch_size={mbs}",
+                rows=sum(b["input_ids"].shape[0] for b in batches),
+                slots=sum(b["input_ids"].numel() for b in batches),
+                real=sum(int(b["token_counts"]["raw_plus_prompt_template"].sum()) for b in batches),
+                setup_s=setup_s, model=model, batches=to_device(batches), step=lit_step,
+            )
+        )  # fmt: skip
 
     t0 = time.perf_counter()
     data = PackedDataModule(json_module(tmp / "data.json"), args.max_len, shuffle=True)
@@ -145,12 +160,25 @@ def main() -> None:
     data.setup()
     batches = list(data.train_dataloader())
     setup_s = time.perf_counter() - t0
-    real = sum(int((b["doc_ids"] >= 0).sum()) for b in batches)
-    slots = sum(b["input_ids"].numel() for b in batches)
-    model = fresh_model()
-    best = min(train_epoch(model, batches, packed_step) for _ in range(args.repeats))
-    rows = sum(b["input_ids"].shape[0] for b in batches)
-    results.append((f"flexpack packed, rows of {args.max_len}", rows, slots, real, best, setup_s))
+    runs.append(
+        dict(
+            label=f"flexpack packed, rows of {args.max_len}",
+            rows=sum(b["input_ids"].shape[0] for b in batches),
+            slots=sum(b["input_ids"].numel() for b in batches),
+            real=sum(int((b["doc_ids"] >= 0).sum()) for b in batches),
+            setup_s=setup_s, model=fresh_model().to(device), batches=to_device(batches),
+            step=packed_step,
+        )
+    )  # fmt: skip
+
+    # Layouts take turns, epoch by epoch, so that load changes on a shared machine hit all alike.
+    for _ in range(args.repeats):
+        for run in runs:
+            secs = train_epoch(run["model"], run["batches"], run["step"], device)
+            run["secs"] = min(run.get("secs", float("inf")), secs)
+    results = [
+        (r["label"], r["rows"], r["slots"], r["real"], r["secs"], r["setup_s"]) for r in runs
+    ]
 
     packed_tps = results[-1][3] / results[-1][4]
     print(
@@ -160,7 +188,8 @@ def main() -> None:
     )
     print(
         f"{n} corpus documents as instruction samples, byte tokenizer, 2-layer width-64 Llama, "
-        f"CPU fp32, one epoch of AdamW steps (best of {args.repeats}).\n"
+        f"{args.device} fp32, one epoch of AdamW steps (best of {args.repeats}, layouts "
+        "taking turns).\n"
     )
     print(
         "| layout | rows | token slots | padding | real tokens | train s | real tokens/s "
