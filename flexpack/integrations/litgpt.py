@@ -113,6 +113,9 @@ def _check_inputs(model: Any, input_ids: Tensor, doc_ids: Tensor, position_ids: 
             "(config.latent_attention), which packed_forward does not implement; use a model "
             "with CausalSelfAttention (Llama, Mistral, Gemma, Pythia, Phi, Qwen, ...)"
         )
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
+        got = tuple(input_ids.shape) if isinstance(input_ids, Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a (B, S) tensor, got {got}; for one row pass x[None]")
     for name, x in (("input_ids", input_ids), ("doc_ids", doc_ids), ("position_ids", position_ids)):
         if x is None:
             continue
