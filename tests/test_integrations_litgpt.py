@@ -260,6 +260,9 @@ def test_bad_inputs_say_what_to_do():
         packed_forward(model, long_doc, torch.zeros(1, 12, dtype=torch.long))
     # the same row as two documents fits
     packed_forward(model, long_doc, torch.tensor([[0] * 6 + [1] * 6]))
+    short = torch.zeros(1, 4, dtype=torch.long)
+    with pytest.raises(ValueError, match="RoPE cache"):  # explicit positions are checked too
+        packed_forward(model, short, short, position_ids=torch.tensor([[0, 1, 2, 8]]))
 
 
 # ------------------------------------------------------------------------------------ data

@@ -199,8 +199,8 @@ def packed_forward(
         backend: passed to :func:`flexpack.attention` ("auto" picks per device and mask).
 
     Returns:
-        (B, S, V) logits, V = ``model.config.padded_vocab_size``; rows of padding tokens are
-        the head's output for a zero attention result (ignore them, as the loss does).
+        (B, S, V) logits, V = ``model.config.padded_vocab_size``. At padding positions they
+        are the head's output for a zero attention result: ignore them, as the loss does.
 
     Raises:
         TypeError: model is not a ``litgpt.GPT``; non-integer ids.
@@ -222,11 +222,13 @@ def packed_forward(
 
     cfg = model.config
     S = input_ids.shape[1]
+    n_cached = model.cos.size(0)
+    # Layout positions stay below S; positions given by the caller are checked (one host sync).
+    check = position_ids is not None or S > n_cached
     if position_ids is None:
         position_ids = PackedLayout.from_doc_ids(doc_ids).position_ids
     position_ids = position_ids.long()
-    n_cached = model.cos.size(0)
-    if S > n_cached and int(position_ids.max()) >= n_cached:
+    if check and int(position_ids.max()) >= n_cached:
         raise ValueError(
             f"a document reaches position {int(position_ids.max())} but the model's RoPE cache "
             f"holds {n_cached} positions (model.max_seq_length={model.max_seq_length}); raise "
