@@ -420,7 +420,10 @@ def test_packed_data_module_rejects_non_datamodules():
 # ------------------------------------------------------------------------------- fine-tuning
 
 
-def test_finetune_20_steps_equals_unpacked_training_and_saves_a_litgpt_checkpoint(workdir):
+def test_finetune_20_steps_equals_unpacked_training_and_saves_a_litgpt_checkpoint(
+    workdir, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # LLM.load must find the local checkpoint
     from litgpt import Tokenizer
     from litgpt.utils import check_valid_checkpoint_dir
 
@@ -487,6 +490,13 @@ def test_finetune_20_steps_equals_unpacked_training_and_saves_a_litgpt_checkpoin
     for (name, p), q in zip(model.named_parameters(), loaded.parameters(), strict=True):
         torch.testing.assert_close(q, p, rtol=1e-3, atol=1e-5, msg=name)
     assert (final / "prompt_style.yaml").is_file() and (final / "tokenizer.json").is_file()
+
+    # ... and LitGPT's high-level API loads it and generates from it.
+    from litgpt import LLM
+
+    llm = LLM.load(str(final), distribute=None)
+    llm.distribute(accelerator="cpu", precision="32-true")
+    assert isinstance(llm.generate("the cat", max_new_tokens=4, top_k=1), str)
 
 
 def test_docstring_example_pythia_14m():
