@@ -596,3 +596,22 @@ def test_finetune_ddp_two_processes_equals_averaged_unpacked_gradients(workdir):
     saved = torch.load(out / "final" / "lit_model.pth")["model"]
     for name, p in model.named_parameters():
         torch.testing.assert_close(saved[name], p.detach(), rtol=1e-3, atol=1e-5, msg=name)
+
+
+@settings(max_examples=20)
+@given(text=st.text(max_size=40))
+def test_property_byte_tokenizer_is_one_token_per_byte(text, tmp_path_factory):
+    from litgpt import Tokenizer
+
+    from flexpack.testing.litgpt import write_byte_tokenizer
+
+    directory = _TOKENIZER_DIRS.setdefault(
+        "dir", write_byte_tokenizer(tmp_path_factory.mktemp("tok"))
+    )
+    tok = Tokenizer(directory)
+    ids = tok.encode(text, eos=True).tolist()
+    assert ids == [1, *(3 + b for b in text.encode()), 2]
+    assert tok.decode(torch.tensor(ids)) == text
+
+
+_TOKENIZER_DIRS: dict[str, object] = {}

@@ -25,7 +25,7 @@ def write_byte_tokenizer(directory: str | Path) -> Path:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` of a byte-level tokenizer.
 
     Ids: 0 ``<unk>``, 1 ``<s>`` (BOS, added by LitGPT's ``Tokenizer.encode``), 2 ``</s>`` (EOS),
-    3..258 the bytes. Built with ``tokenizers`` in memory: nothing is downloaded.
+    3 + b for byte b. Built with ``tokenizers`` in memory: nothing is downloaded.
 
     Args:
         directory: where to write (created if missing).
@@ -40,17 +40,18 @@ def write_byte_tokenizer(directory: str | Path) -> Path:
         >>> tok.encode("hi", eos=True).tolist()                            # doctest: +SKIP
         [1, 107, 108, 2]
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for i, symbol in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet())):
-        vocab[symbol] = 3 + i
+    for byte, symbol in enumerate(_byte_symbols()):
+        vocab[symbol] = 3 + byte  # byte b is token 3 + b
     assert len(vocab) == BYTE_VOCAB_SIZE
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "<s>", "</s>")])
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {
         "bos_token": "<s>",
@@ -60,6 +61,21 @@ def write_byte_tokenizer(directory: str | Path) -> Path:
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return directory
+
+
+def _byte_symbols() -> list[str]:
+    """The printable character that byte-level BPE (GPT-2's ``bytes_to_unicode``) uses for each
+    byte 0..255, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    printable += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
 
 
 def tiny_checkpoint(
