@@ -615,3 +615,11 @@ def test_property_byte_tokenizer_is_one_token_per_byte(text, tmp_path_factory):
 
 
 _TOKENIZER_DIRS: dict[str, object] = {}
+
+
+def test_packed_data_module_points_pretraining_streams_to_from_eos():
+    stream = [torch.arange(10), torch.arange(10)]  # what a pretraining dataset yields
+    data = PackedDataModule(ListData(stream, stream), 16)
+    data.connect()
+    with pytest.raises(TypeError, match="from_eos"):
+        data.setup()

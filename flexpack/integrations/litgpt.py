@@ -334,7 +334,9 @@ def _sample_arrays(item: Any, where: str) -> dict[str, np.ndarray]:
         got = sorted(item) if isinstance(item, dict) else type(item).__name__
         raise TypeError(
             f"{where} is {got}, expected a dict with 'input_ids' (and 'labels'), as LitGPT's "
-            "SFTDataset yields; wrap a LitGPT SFT DataModule (Alpaca, JSON, Dolly, ...)"
+            "SFTDataset yields; wrap a LitGPT SFT DataModule (Alpaca, JSON, Dolly, ...). For "
+            "pretraining token streams (TinyStories, TextFiles) take the doc ids from the EOS "
+            "tokens instead: flexpack.PackedLayout.from_eos (docs/litgpt.md)"
         )
     ids = torch.as_tensor(item["input_ids"]).reshape(-1).long().numpy()
     labels = item.get("labels")
