@@ -852,7 +852,8 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """``python -m flexpack.integrations.litgpt finetune CHECKPOINT_DIR ...``; returns 0.
 
-    ``argv`` are the arguments after the command (a leading ``"finetune"`` is accepted); see
+    ``argv`` are the arguments after the command (a leading ``"finetune"`` or
+    ``"litgpt-finetune"`` is accepted, so ``flexpack litgpt-finetune`` can forward its argv); see
     ``--help`` for the options, named as in ``litgpt finetune_full`` (``--data JSON
     --data.json_path ...``, ``--train.micro_batch_size``, ``--optimizer.lr``, ...), plus
     ``--max-len``, the tokens per packed row. ``--train.micro_batch_size`` counts packed rows.
@@ -863,7 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "finetune":
+    if argv and argv[0] in ("finetune", "litgpt-finetune"):
         argv = argv[1:]
     args = _parser().parse_args(argv)
     finetune(args)
