@@ -562,6 +562,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common(p_stats)
 
+    sub.add_parser(
+        "litgpt-finetune",
+        help="fine-tune a LitGPT checkpoint on packed rows, as `litgpt finetune_full` does "
+        "(needs flexpack[litgpt] in its own venv; `flexpack litgpt-finetune --help` lists the "
+        "options; docs/litgpt.md)",
+        add_help=False,
+        **kw,
+    )
     demo = sub.add_parser(
         "demo", help="pack the bundled corpus and check packed == per-document", **kw
     )
@@ -588,6 +596,16 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     return parser
 
 
+def _litgpt_finetune(argv: list[str]) -> int:
+    """``flexpack litgpt-finetune ...``: the LitGPT entry point, its options unchanged."""
+    try:
+        from flexpack.integrations.litgpt import main as litgpt_main
+    except ImportError as e:
+        print(f"flexpack litgpt-finetune: error: {e}", file=sys.stderr)
+        return 2
+    return litgpt_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     r"""Run the ``flexpack`` command line; returns the exit status (2 on a user error).
 
@@ -605,6 +623,9 @@ def main(argv: list[str] | None = None) -> int:
         bfd               1           1   +0.00%     62.50%     2.00 ...
         0
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["litgpt-finetune"]:
+        return _litgpt_finetune(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     sub = _subparser(parser, args.command)

@@ -334,3 +334,12 @@ def test_pack_says_where_it_wrote(tmp_path, capsys):
     assert main(["pack", str(src), "--max-len", "64", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"wrote       {out.resolve()}" in text and "packer load (once)" in text
+
+
+def test_litgpt_finetune_forwards_to_the_litgpt_entry_point(capsys):
+    """`flexpack litgpt-finetune` is `python -m flexpack.integrations.litgpt finetune`."""
+    with pytest.raises(SystemExit) as e:
+        main(["litgpt-finetune", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--max-len" in out and "--data" in out
