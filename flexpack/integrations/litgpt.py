@@ -207,15 +207,16 @@ def packed_forward(
         ValueError: shapes or devices disagree; a position beyond the model's RoPE cache; a
             model with latent attention (not supported).
 
-    Example:
-        >>> import torch, flexpack                                            # doctest: +SKIP
-        >>> from litgpt import GPT, Config                                     # doctest: +SKIP
-        >>> model = GPT(Config.from_name("pythia-14m"))                        # doctest: +SKIP
-        >>> batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)   # doctest: +SKIP
-        >>> logits = packed_forward(model, batch.input_ids, batch.doc_ids)    # doctest: +SKIP
-        >>> alone = model(batch.input_ids[:, 3:5])  # 2nd document alone   # doctest: +SKIP
-        >>> torch.allclose(logits[0, 3:5], alone[0], atol=1e-5)             # doctest: +SKIP
-        True
+    Example (needs litgpt; the same check runs in tests/test_integrations_litgpt.py)::
+
+            import torch, flexpack
+            from litgpt import GPT, Config
+            model = GPT(Config.from_name("pythia-14m"))
+            batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+            logits = packed_forward(model, batch.input_ids, batch.doc_ids)
+            alone = model(batch.input_ids[:, 3:5])  # 2nd document alone
+            torch.allclose(logits[0, 3:5], alone[0], atol=1e-5)
+            # -> True
     """
     _check_inputs(model, input_ids, doc_ids, position_ids)
     from litgpt.model import do_softcapping
@@ -279,10 +280,11 @@ class PackedGPT(nn.Module):
         model: a ``litgpt.GPT``.
         backend: passed to :func:`flexpack.attention`.
 
-    Example:
-        >>> packed = fabric.setup(PackedGPT(model))                          # doctest: +SKIP
-        >>> ids, docs = batch["input_ids"], batch["doc_ids"]                 # doctest: +SKIP
-        >>> logits = packed(ids, docs, batch["position_ids"])               # doctest: +SKIP
+    Example (inside a Fabric script; see docs/litgpt.md)::
+
+            packed = fabric.setup(PackedGPT(model))
+            ids, docs = batch["input_ids"], batch["doc_ids"]
+            logits = packed(ids, docs, batch["position_ids"])
     """
 
     def __init__(self, model: nn.Module, *, backend: str = "auto") -> None:
@@ -389,15 +391,16 @@ class PackedDataModule:
         train_plan, val_plan: the :class:`flexpack.PackPlan` of each split (``.stats`` has rows,
             padding and efficiency), after ``setup``.
 
-    Example:
-        >>> from litgpt.data import JSON                                        # doctest: +SKIP
-        >>> inner = JSON(Path("data.json"), val_split_fraction=0.1)             # doctest: +SKIP
-        >>> data = PackedDataModule(inner, max_len=2048)                          # doctest: +SKIP
-        >>> data.connect(tokenizer, batch_size=2)                                # doctest: +SKIP
-        >>> data.setup()                                                          # doctest: +SKIP
-        >>> batch = next(iter(data.train_dataloader()))                           # doctest: +SKIP
-        >>> sorted(batch)                                                         # doctest: +SKIP
-        ['doc_ids', 'input_ids', 'labels', 'position_ids']
+    Example (needs litgpt; tested in tests/test_integrations_litgpt.py)::
+
+            from litgpt.data import JSON
+            inner = JSON(Path("data.json"), val_split_fraction=0.1)
+            data = PackedDataModule(inner, max_len=2048)
+            data.connect(tokenizer, batch_size=2)
+            data.setup()
+            batch = next(iter(data.train_dataloader()))
+            sorted(batch)
+            # -> ['doc_ids', 'input_ids', 'labels', 'position_ids']
     """
 
     def __init__(
@@ -858,10 +861,11 @@ def main(argv: list[str] | None = None) -> int:
     --data.json_path ...``, ``--train.micro_batch_size``, ``--optimizer.lr``, ...), plus
     ``--max-len``, the tokens per packed row. ``--train.micro_batch_size`` counts packed rows.
 
-    Example:
-        >>> main(["finetune", "checkpoints/tiny", "--data", "JSON",             # doctest: +SKIP
-        ...       "--data.json_path", "data.json", "--max-len", "512", "--out", "out/tiny"])
-        0
+    Example (needs litgpt; a 20-step run is tested in tests/test_integrations_litgpt.py)::
+
+            main(["finetune", "checkpoints/tiny", "--data", "JSON",
+                  "--data.json_path", "data.json", "--max-len", "512", "--out", "out/tiny"])
+            # -> 0
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("finetune", "litgpt-finetune"):

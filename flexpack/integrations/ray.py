@@ -156,15 +156,15 @@ def pack_ray_dataset(
             differs from the tokens', or what ``flexpack.pack`` rejects.
         TypeError: ``ds`` is not a Ray dataset, or the column is not token ids.
 
-    Example:
-        Needs a Ray instance (slow to start, so not run as a doctest; see the tests):
+    Example (needs a Ray instance, slow to start, so not a doctest; the same rows are checked in
+    tests/test_integrations_ray.py)::
 
-        >>> import ray  # doctest: +SKIP
-        >>> items = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]  # doctest: +SKIP
-        >>> ds = ray.data.from_items(items)  # doctest: +SKIP
-        >>> row = pack_ray_dataset(ds, 5).take_all()[0]  # doctest: +SKIP
-        >>> row["input_ids"].tolist(), row["seqlens"].tolist()  # doctest: +SKIP
-        ([1, 2, 3, 4, 5], [3, 2])
+            import ray
+            items = [{"input_ids": [1, 2, 3]}, {"input_ids": [4, 5]}]
+            ds = ray.data.from_items(items)
+            row = pack_ray_dataset(ds, 5).take_all()[0]
+            row["input_ids"].tolist(), row["seqlens"].tolist()
+            # -> ([1, 2, 3, 4, 5], [3, 2])
     """
     import ray
     import ray.data

@@ -33,12 +33,13 @@ def write_byte_tokenizer(directory: str | Path) -> Path:
     Returns:
         ``Path(directory)``.
 
-    Example:
-        >>> import tempfile                                                # doctest: +SKIP
-        >>> from litgpt.tokenizer import Tokenizer                         # doctest: +SKIP
-        >>> tok = Tokenizer(write_byte_tokenizer(tempfile.mkdtemp()))      # doctest: +SKIP
-        >>> tok.encode("hi", eos=True).tolist()                            # doctest: +SKIP
-        [1, 107, 108, 2]
+    Example (needs litgpt; these run in tests/test_integrations_litgpt.py)::
+
+            import tempfile
+            from litgpt.tokenizer import Tokenizer
+            tok = Tokenizer(write_byte_tokenizer(tempfile.mkdtemp()))
+            tok.encode("hi", eos=True).tolist()
+            # -> [1, 107, 108, 2]
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -96,10 +97,11 @@ def tiny_checkpoint(
         ``Path(directory)``, holding ``lit_model.pth``, ``model_config.yaml``,
         ``tokenizer.json`` and ``tokenizer_config.json``.
 
-    Example:
-        >>> import tempfile                                                 # doctest: +SKIP
-        >>> from litgpt.utils import check_valid_checkpoint_dir            # doctest: +SKIP
-        >>> check_valid_checkpoint_dir(tiny_checkpoint(tempfile.mkdtemp()))  # doctest: +SKIP
+    Example (needs litgpt; these run in tests/test_integrations_litgpt.py)::
+
+            import tempfile
+            from litgpt.utils import check_valid_checkpoint_dir
+            check_valid_checkpoint_dir(tiny_checkpoint(tempfile.mkdtemp()))
     """
     from litgpt import GPT, Config
     from litgpt.utils import save_config
