@@ -44,6 +44,8 @@ __all__ = [
     "combine_and",
     "combine_not",
     "combine_or",
+    "document_block_mask",
+    "packed_layout",
 ]
 
 
@@ -392,6 +394,166 @@ def _ordered(classes: Tensor, value: int, transpose: bool) -> tuple[Tensor, Tens
         indices[r : r + step].scatter_(-1, dest.long(), j.expand_as(dest))
         num[r : r + step] = cnt
     return num.view(B, 1, n), indices.view(B, 1, n, m)
+
+
+def packed_layout(doc_ids: Tensor) -> bool:
+    """Whether every row is a packer layout: real ids non-decreasing, padding only at the end.
+
+    One host sync. Such rows admit :func:`document_block_mask`'s direct construction.
+
+    Example:
+        >>> packed_layout(torch.tensor([[0, 0, 1, -1]])), packed_layout(torch.tensor([[0, -1, 0]]))
+        (True, False)
+    """
+    d = _narrow(doc_ids)
+    # Padding as +inf: the row must be non-decreasing, which also puts padding at the end.
+    big = torch.where(d >= 0, d, torch.iinfo(d.dtype).max)
+    return bool((big[:, 1:] >= big[:, :-1]).all())
+
+
+def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
+    """Per block i of a packed layout: the kv blocks sharing a document, as two nested runs.
+
+    Returns (a, c, d, b), each (B, nb) int64: blocks [a, b) share a document with block i
+    (non-empty), blocks [c, d) are full (c == d == b when none). The document mask is
+    symmetric, so the same runs describe the q blocks of kv block i.
+    """
+    B, S = doc_ids.shape
+    nb = _num_blocks(S, block_size)
+    d = doc_ids.to(torch.int64)
+    if nb * block_size != S:
+        d = torch.nn.functional.pad(d, (0, nb * block_size - S), value=-1)
+    blocks = d.view(B, nb, block_size)
+    first = blocks[:, :, 0]  # the smallest id of the block, or -1 for a padding block
+    hi = blocks.amax(-1)  # the largest id (padding is -1, at the row end only)
+    last_in_range = d[
+        :, torch.clamp(torch.arange(nb, device=d.device) * block_size + block_size, max=S) - 1
+    ]
+    any_real = first >= 0
+    big = torch.iinfo(torch.int64).max // 4
+    lo_key = torch.where(any_real, first, big)  # non-decreasing along the row
+    hi_key = torch.where(any_real, hi, big)
+    # Non-empty: kv blocks whose id range [first, hi] meets block i's.
+    a = torch.searchsorted(hi_key, lo_key)
+    b = torch.searchsorted(lo_key, hi, right=True)
+    b = torch.where(any_real, b, a)
+    # Full: one document, no padding, the same document on both sides. Keyed 2 * id (+1 for a
+    # block that is not full-capable), the key is non-decreasing and the full run is the run
+    # of key 2 * id.
+    capable = any_real & (first == hi) & (last_in_range >= 0)
+    key = torch.where(capable, 2 * first, torch.where(any_real, 2 * first + 1, big))
+    c = torch.searchsorted(key, 2 * first)
+    dd = torch.searchsorted(key, 2 * first, right=True)
+    c = torch.where(capable, c, b)
+    dd = torch.where(capable, dd, b)
+    return a, c, dd, b
+
+
+def _run_indices(runs: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """Counts and indices of rows whose hits are the runs [a, c) and [d, b), a <= c <= d <= b.
+
+    Per row, the hits in ascending order, then the misses in ascending order (the layout of
+    ``_ordered``), written without sorting: the index at position p is p plus an offset that
+    changes at four breakpoints, so one scatter of the steps and a cumulative sum give it, in
+    the output buffer itself (no temporaries of the output's size).
+
+    Args:
+        runs: (4, rows) int64, the rows' a, c, d, b.
+        m: columns.
+
+    Returns:
+        (rows,) int32 counts and (rows, m) int32 indices.
+    """
+    a, c, d, b = runs
+    n1 = c - a
+    cnt = n1 + (b - d)
+    zero = torch.zeros_like(a)
+    # Offset by segment: hits of run 1 -> a; of run 2 -> d - n1; misses before a -> -cnt;
+    # misses in [c, d) -> c - a - cnt; past b -> 0 (the index is the position there).
+    values = torch.stack((zero, a, d - n1, -cnt, c - a - cnt, zero), -1)
+    starts = torch.stack((zero, n1, cnt, cnt + a, b), -1)
+    # A segment starting at m adds nothing: park it on column 0 with a step of 0.
+    inside = starts < m
+    steps = (values[:, 1:] - values[:, :-1]).masked_fill_(~inside, 0).to(torch.int32)
+    out = torch.zeros(a.numel(), m, dtype=torch.int32, device=a.device)
+    out.scatter_add_(1, starts.masked_fill_(~inside, 0), steps)
+    out.cumsum_(1)
+    out.add_(torch.arange(m, dtype=torch.int32, device=a.device))
+    return cnt.to(torch.int32), out
+
+
+def document_block_mask(
+    doc_ids: Tensor,
+    *,
+    causal: bool,
+    block_size: int,
+    mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    batch: int | None = None,
+) -> BlockMask:
+    """The document (or document-causal) BlockMask of a packed layout, written directly.
+
+    For ids in order with padding at the row ends (:func:`packed_layout`), the kv blocks that
+    share a document with a q block form one run, full in the middle and partial at its ends,
+    and the q side mirrors it. The index tensors are written from those per-block runs, without
+    classifying or ordering a (B, nq, nk) tensor: identical to ``create_block_mask``'s.
+
+    Args:
+        doc_ids: (B, S) integer, a packed layout (check with :func:`packed_layout`).
+        causal: add ``q_idx >= kv_idx``.
+        block_size: tokens per block.
+        mask_mod: the element mask the kernel applies inside partial blocks.
+        batch: expand B=1 doc ids to this many rows.
+
+    Example:
+        >>> d = torch.tensor([[0, 0, 0, 1, 1, -1]])
+        >>> bm = document_block_mask(d, causal=True, block_size=2,
+        ...                          mask_mod=lambda b, h, q, kv: q >= kv)
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+        ([[[1, 2, 2]]], [[[0, 0, 0]]])
+    """
+    B, S = doc_ids.shape
+    nb = _num_blocks(S, block_size)
+    a, c, d, b = _document_runs(doc_ids, block_size)
+    if batch is not None and batch != B:
+        a, c, d, b = (x.expand(batch, nb) for x in (a, c, d, b))
+        B = batch
+    i = torch.arange(nb, device=a.device)
+    if S % block_size:  # the tail block reaches past S: never full (as create_block_mask)
+        last = i == nb - 1
+        d = torch.where(last, c, torch.clamp(d, max=nb - 1))
+
+    def side(a, c, d, b) -> list[Tensor]:  # partial runs [a, c) + [d, b), full run [c, d)
+        empty = c >= d
+        c, d = torch.where(empty, b, c), torch.where(empty, b, d)
+        return [a, c, d, b, c, d, d, d]
+
+    if causal:
+        diag = int(block_size == 1)  # a diagonal block is full only for 1-token blocks
+        bk = torch.minimum(b, i + 1)  # kv side, row = q block i: keys up to block i
+        runs = side(torch.minimum(a, bk), c, torch.minimum(d, i + diag), bk)
+        # q side, row = kv block i: queries from block i on (the mask is symmetric before
+        # the causal cut, so the document runs serve both sides).
+        runs += side(torch.minimum(torch.maximum(a, i), b), torch.maximum(c, i + 1 - diag), d, b)
+    else:
+        runs = side(a, c, d, b)
+    num, idx = _run_indices(
+        torch.stack(runs).view(-1, 4, B * nb).transpose(0, 1).reshape(4, -1), nb
+    )
+    num, idx = num.view(-1, B, 1, nb), idx.view(-1, B, 1, nb, nb)
+    kv, q = (0, 1), (2, 3) if causal else (0, 1)
+    return BlockMask(
+        seq_lengths=(S, S),
+        kv_num_blocks=num[kv[0]],
+        kv_indices=idx[kv[0]],
+        full_kv_num_blocks=num[kv[1]],
+        full_kv_indices=idx[kv[1]],
+        q_num_blocks=num[q[0]],
+        q_indices=idx[q[0]],
+        full_q_num_blocks=num[q[1]],
+        full_q_indices=idx[q[1]],
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod,
+    )
 
 
 def build_block_mask(

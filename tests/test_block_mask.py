@@ -11,10 +11,13 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexpack import block_mask as bmod
 from flexpack import masks
+from flexpack.testing import strategies as fst
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -218,3 +221,46 @@ def test_generic_ids_in_bounded_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     for d in (torch.arange(40)[None] % 4, _layout(2, 33, rng, arbitrary=True)):
         m = masks.document(d)
         _assert_identical(m.block_mask(block_size=4), _reference(m, 4))
+
+
+# ----------------------------------------------------------------------------- direct path
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=fst.doc_ids(max_batch_size=3, max_seq_len=70, block_size=8, allow_empty_rows=True),
+    bs=st.sampled_from([1, 2, 3, 8, 16, 128]),
+    causal=st.booleans(),
+)
+def test_document_block_mask_identical_to_create_block_mask(d, bs: int, causal: bool) -> None:
+    # The direct construction from per-block runs (packer layouts) against create_block_mask.
+    assert bmod.packed_layout(d)
+    m = masks.document(d) & masks.causal() if causal else masks.document(d)
+    ours = bmod.document_block_mask(d, causal=causal, block_size=bs, mask_mod=m.mask_mod)
+    _assert_identical(ours, _reference(m, bs))
+    _assert_identical(m.block_mask(block_size=bs), ours)
+
+
+def test_document_block_mask_expands_batch() -> None:
+    d = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1]])
+    m = masks.document(d) & masks.causal()
+    ours = m.block_mask(block_size=4, B=3)
+    ref = create_block_mask(m.mask_mod, 3, 1, 10, 10, device="cpu", BLOCK_SIZE=4)
+    _assert_identical(ours, ref)
+
+
+@pytest.mark.parametrize(
+    ("row", "packed"),
+    [
+        ([0, 0, 1, 1, -1, -1], True),
+        ([-1, -1, -1], True),
+        ([0, 1, 1, 3, 3], True),  # gaps in the ids are fine: only the order matters
+        ([0, -1, 0], False),  # padding inside a document: not the packer's layout
+        ([1, 1, 0], False),
+    ],
+)
+def test_packed_layout_gates_the_direct_path(row: list[int], packed: bool) -> None:
+    d = torch.tensor([row])
+    assert bmod.packed_layout(d) is packed
+    m = masks.document(d)
+    _assert_identical(m.block_mask(block_size=2), _reference(m, 2))
