@@ -39,6 +39,20 @@ def _recompile_limit() -> int:
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
 
 
+def softcap_score_mod(softcap: float, device: torch.device):
+    """The flex ``score_mod`` of attention-logit soft-capping: ``cap * tanh(score / cap)``.
+
+    The cap is a 0-d tensor the closure reads, not a Python number baked into the graph, so a new
+    value (or a new closure per call) reuses the compiled kernel instead of recompiling.
+    """
+    cap = torch.tensor(float(softcap), device=device)
+
+    def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return cap * torch.tanh(score / cap)
+
+    return softcap_mod
+
+
 def flex(
     q: Tensor,
     k: Tensor,
@@ -47,12 +61,17 @@ def flex(
     *,
     scale: float | None,
     enable_gqa: bool,
+    softcap: float | None = None,
 ) -> Tensor:
     """Compiled flex_attention; raises :class:`RecompileLimitError` instead of an eager fallback."""
     fn = compiled_flex_attention(q.device.type, q.dtype)
+    score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+            return fn(
+                q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                enable_gqa=enable_gqa,
+            )  # fmt: skip
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
             f"compiled flex_attention hit torch._dynamo.config.recompile_limit="

@@ -156,6 +156,69 @@ def _sdpa_plan(doc_ids: Tensor) -> _SdpaPlan:
     return _SdpaPlan("gather", [], [], perm, runs)
 
 
+def softcap_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float,
+) -> Tensor:
+    """``scaled_dot_product_attention`` with attention-logit soft-capping (Gemma 2).
+
+    ``softmax(mask(softcap * tanh(q @ k^T * scale / softcap))) @ v``: the cap applies after the
+    scale and before masking. Scores and softmax run in float32 for half inputs (as SDPA's fused
+    kernels accumulate), and the output comes back in q's dtype.
+
+    Args:
+        q: (N, Hq, L, D); k, v: (N, Hkv, L, D), Hq a multiple of Hkv with ``enable_gqa``.
+        attn_mask: bool, broadcastable to (N, Hq, L, L), True where q may attend kv. Every row
+            must allow at least one key (callers zero fully masked rows themselves).
+        is_causal: also mask keys after the query.
+
+    Returns:
+        (N, Hq, L, D) in q's dtype.
+    """
+    Hq, Hkv, L, D = q.shape[-3], k.shape[-3], q.shape[-2], q.shape[-1]
+    if Hkv != Hq:
+        k, v = (x.repeat_interleave(Hq // Hkv, dim=-3) for x in (k, v))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    scale = 1.0 / math.sqrt(D) if scale is None else scale
+    scores = q.to(acc) @ k.to(acc).transpose(-2, -1) * scale  # (N, Hq, L, L)
+    scores = softcap * torch.tanh(scores / softcap)
+    if is_causal:
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return (torch.softmax(scores, dim=-1) @ v.to(acc)).to(q.dtype)
+
+
+def sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None = None,
+) -> Tensor:
+    """``F.scaled_dot_product_attention``, or :func:`softcap_sdpa` when ``softcap`` is set."""
+    if softcap is not None:
+        return softcap_sdpa(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa, softcap=softcap,
+        )  # fmt: skip
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
 def _tokens(x: Tensor) -> Tensor:
     """(B, H, S, D) -> (B * S, H, D), the flash-attn token-major layout."""
     B, H, S, D = x.shape
@@ -182,6 +245,7 @@ def per_document_sdpa(
     causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    softcap: float | None = None,
 ) -> Tensor:
     """Attention restricted to each document: one SDPA call per document, or per length.
 
@@ -190,6 +254,7 @@ def per_document_sdpa(
         doc_ids: (B, S) or (1, S) int on q's device; negative values mark padding. Pass the
             mask's own tensor (not a fresh view) so the grouping is reused across layers.
         causal: also mask keys after the query (in position order inside the document).
+        softcap: attention-logit soft-capping (see :func:`softcap_sdpa`); None for none.
 
     Returns:
         (B, Hq, S, D), 0 on padding tokens.
@@ -207,9 +272,9 @@ def per_document_sdpa(
             *(torch.split(x, plan.sizes, dim=1) for x in (qh, kh, vh)), plan.is_doc, strict=True
         ):
             if is_doc:
-                od = F.scaled_dot_product_attention(
+                od = sdpa(
                     qd[None], kd[None], vd[None], is_causal=causal, scale=scale,
-                    enable_gqa=enable_gqa,
+                    enable_gqa=enable_gqa, softcap=softcap,
                 )  # fmt: skip
                 outs.append(od[0])
             else:
@@ -227,9 +292,7 @@ def per_document_sdpa(
         qd, kd, vd = (
             x.reshape(x.shape[0], count, length, D).transpose(0, 1) for x in (qd, kd, vd)
         )  # (n, H, L, D)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=enable_gqa
-        )
+        od = sdpa(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
         outs.append(od.transpose(0, 1).reshape(Hq, count * length, D))
     out = q.new_zeros(Hq, B * S, D)
     if outs:
@@ -294,7 +357,14 @@ def dense_mask_from_block_mask(block_mask: BlockMask, B: int, device: torch.devi
 
 
 def dense_sdpa(
-    q: Tensor, k: Tensor, v: Tensor, dense: Tensor, *, scale: float | None, enable_gqa: bool
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dense: Tensor,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None = None,
 ) -> Tensor:
     """SDPA with a (B or 1, H or 1, S, S) bool mask; rows with no allowed key give exactly 0.
 
@@ -302,7 +372,7 @@ def dense_sdpa(
     values, finite gradients) and are zeroed afterwards, which zeroes their gradients too.
     """
     row_ok = dense.any(dim=-1, keepdim=True)  # (B, H, S, 1)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=dense | ~row_ok, scale=scale, enable_gqa=enable_gqa
+    out = sdpa(
+        q, k, v, attn_mask=dense | ~row_ok, scale=scale, enable_gqa=enable_gqa, softcap=softcap
     )
     return out.masked_fill(~row_ok, 0.0)

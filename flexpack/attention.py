@@ -15,6 +15,12 @@ CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster t
 
 Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
 a query with no allowed key (padding) gets 0, never NaN, in the output and in the gradients.
+
+Mixed precision follows SDPA's autocast contract: inside ``torch.autocast(device_type, dtype)``,
+q, k and v (float32 or half) are cast to the autocast dtype and the output is in it; gradients
+flow back to the original tensors. With ``softcap`` (Gemma 2's attention-logit soft-capping) the
+varlen and ``is_causal`` kernels, which cannot cap, give way to flex on CUDA; the SDPA paths
+write SDPA's math out with the cap.
 """
 
 from __future__ import annotations
@@ -100,6 +106,23 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
     return _MaskSpec(kind=mask.kind, doc_ids=doc_ids, mask=mask, block_mask=block_mask)
 
 
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype of the enclosing ``torch.autocast`` region for ``device_type``; None outside."""
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        pass
+    return None
+
+
+def _autocast(x: Any, dtype: torch.dtype | None) -> Any:
+    # What autocast does to an SDPA input: float32 and half tensors are cast, float64 is not.
+    if dtype is None or not isinstance(x, Tensor) or not x.is_floating_point():
+        return x
+    return x if x.dtype in (dtype, torch.float64) else x.to(dtype)
+
+
 def _check_inputs(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not isinstance(x, Tensor):
@@ -112,7 +135,12 @@ def _check_inputs(q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool) -> None:
         if not x.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {x.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise TypeError(
+            f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}. In a "
+            "mixed-precision model, run it under torch.autocast(device_type, "
+            "dtype=torch.bfloat16): flexpack.attention then casts q, k, v to that dtype, as "
+            "SDPA does. Otherwise cast them yourself with .to(dtype)."
+        )
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     B, Hq, S, D = q.shape
@@ -138,7 +166,9 @@ def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
-def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str) -> str:
+def _choose_path(
+    q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str, softcap: float | None = None
+) -> str:
     """The path for these inputs: "flex", "varlen", "sdpa_document", "sdpa_causal", "sdpa_dense".
 
     Raises ValueError when ``backend`` cannot run this mask on this device.
@@ -173,6 +203,8 @@ def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str)
         if not per_document:
             what = "a foreign BlockMask" if spec.kind is None else f"a {spec.kind!r} mask"
             problems.append(f"it supports document and document_causal masks only (got {what})")
+        if softcap is not None:
+            problems.append("it has no attention-logit soft-capping (softcap)")
         if on_cuda and not _attention_flex.varlen_available(q.device):
             problems.append(
                 f"it needs torch >= 2.10 (have {torch.__version__}) and a GPU of compute "
@@ -189,11 +221,12 @@ def _choose_path(q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str)
     if on_cuda:
         if (
             per_document
+            and softcap is None
             and q.dtype in _attention_flex.VARLEN_DTYPES
             and _attention_flex.varlen_available(q.device)
         ):
             return "varlen"
-        if spec.kind == "causal":
+        if spec.kind == "causal" and softcap is None:
             return "sdpa_causal"
         return "flex"
     if per_document or spec.kind == "causal":
@@ -220,6 +253,7 @@ def attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     backend: Backend = "auto",
+    softcap: float | None = None,
 ) -> Tensor:
     """Masked scaled-dot-product attention for packed rows, with a backward on every device.
 
@@ -228,8 +262,9 @@ def attention(
 
     Args:
         q: (B, Hq, S, D) float16, bfloat16, float32 (or float64 on the SDPA paths).
-        k, v: (B, Hkv, S, D), same dtype and device as q. Hkv < Hq needs ``enable_gqa=True``
-            and Hq % Hkv == 0.
+        k, v: (B, Hkv, S, D), same dtype and device as q (inside ``torch.autocast`` all three
+            are cast to the autocast dtype first, as SDPA does). Hkv < Hq needs
+            ``enable_gqa=True`` and Hq % Hkv == 0.
         mask: a flexpack mask (``flexpack.masks.document(doc_ids) & flexpack.masks.causal()``,
             ...) or a BlockMask (``flexpack.document_causal_mask(doc_ids)``, or one of your own
             from ``create_block_mask``), for (S, S) and batch size 1 or B, on q's device.
@@ -247,16 +282,21 @@ def attention(
             (``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, document and
             document_causal masks). "sdpa": ``scaled_dot_product_attention`` per document for
             document masks, with a dense (B, 1, S, S) mask otherwise; any device, with backward.
+        softcap: attention-logit soft-capping as in Gemma 2: scores become
+            ``softcap * tanh(scores / softcap)`` after ``scale``, before masking. None (default)
+            for none. Runs on every backend but "varlen"; on CUDA "auto" uses flex for it.
 
     Returns:
-        (B, Hq, S, D) tensor, q's dtype and device. Queries with no allowed key (padding) are 0.
+        (B, Hq, S, D) tensor, q's dtype and device (the autocast dtype inside
+        ``torch.autocast``). Queries with no allowed key (padding) are 0.
 
     Raises:
-        TypeError: q, k, v are not floating tensors of one dtype; ``mask`` is neither a flexpack
-            mask nor a BlockMask.
+        TypeError: q, k, v are not floating tensors of one dtype (outside autocast); ``mask`` is
+            neither a flexpack mask nor a BlockMask; ``scale`` or ``softcap`` is not a number.
         ValueError: shapes disagree (q vs k/v, mask vs S or B), devices disagree, Hkv != Hq
             without ``enable_gqa``, an unknown backend, or a backend that cannot run this mask
-            here ("flex" with grad on CPU, "varlen" off CUDA / in fp32 / on a non-document mask).
+            here ("flex" with grad on CPU, "varlen" off CUDA / in fp32 / on a non-document mask
+            / with softcap), a softcap that is not positive and finite.
         RecompileLimitError: compiled flex_attention hit dynamo's recompile limit (too many
             distinct shapes); raised instead of silently running eagerly, many times slower.
 
@@ -273,11 +313,29 @@ def attention(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if isinstance(q, Tensor):
+        autocast_dtype = _autocast_dtype(q.device.type)
+        q, k, v = (_autocast(x, autocast_dtype) for x in (q, k, v))
+        if autocast_dtype is not None:
+            # Inputs are in the autocast dtype now; the paths below must not recast their
+            # internals (mask arithmetic, the softcap math in float32).
+            with torch.autocast(q.device.type, enabled=False):
+                return attention(
+                    q, k, v, mask, scale=scale, enable_gqa=enable_gqa, backend=backend,
+                    softcap=softcap,
+                )  # fmt: skip
     _check_inputs(q, k, v, enable_gqa)
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    for name, value in (("scale", scale), ("softcap", softcap)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+    if softcap is not None and not (0 < softcap < float("inf")):
+        raise ValueError(
+            f"softcap must be a positive finite number (Gemma 2 uses 50.0), got {softcap}; "
+            "pass None for no soft-capping"
+        )
+    softcap = None if softcap is None else float(softcap)
     spec = _mask_spec(mask, q)
-    path = _choose_path(q, k, v, spec, backend)
+    path = _choose_path(q, k, v, spec, backend, softcap)
     B, Hq, S, _ = q.shape
 
     if path == "flex":
@@ -289,15 +347,25 @@ def attention(
         if block_mask is None:
             Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
             block_mask = spec.mask.block_mask(B=Bm, Q_LEN=S, KV_LEN=S, device=q.device)
-        return _attention_flex.flex(q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa)
-    if path in ("varlen", "sdpa_document"):
-        run = _attention_flex.varlen if path == "varlen" else _attention_sdpa.per_document_sdpa
-        causal = spec.kind == "document_causal"
+        return _attention_flex.flex(
+            q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+        )
+    causal = spec.kind == "document_causal"
+    if path == "varlen":
         # The mask's own doc_ids tensor (not a view): its grouping is cached across layers.
-        return run(q, k, v, spec.mask.doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa)
+        return _attention_flex.varlen(
+            q, k, v, spec.mask.doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa
+        )
+    if path == "sdpa_document":
+        return _attention_sdpa.per_document_sdpa(
+            q, k, v, spec.mask.doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa,
+            softcap=softcap,
+        )  # fmt: skip
     if path == "sdpa_causal":
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa
+        return _attention_sdpa.sdpa(
+            q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa, softcap=softcap
         )
     dense = _dense_mask(spec, B, Hq, S, q.device)
-    return _attention_sdpa.dense_sdpa(q, k, v, dense, scale=scale, enable_gqa=enable_gqa)
+    return _attention_sdpa.dense_sdpa(
+        q, k, v, dense, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+    )

@@ -299,6 +299,44 @@ class PackedLayout:
         return cls(torch.where(real, doc, torch.full_like(doc, -1)))
 
     @classmethod
+    def from_eos(cls, input_ids: Tensor | np.ndarray | Sequence, eos_id: int) -> PackedLayout:
+        """The layout of token rows in which documents are concatenated with an EOS token.
+
+        This is how pretraining pipelines (LitGPT, Megatron, nanoGPT, torchtitan) build rows: a
+        stream of documents, each followed by EOS, cut into fixed-length chunks. A document ends
+        at (and includes) each EOS token; whatever follows the last EOS of a row is a document
+        of its own (the head of the next document in the stream). Rows have no padding.
+
+        Args:
+            input_ids: (B, S) or (S,) integer token ids.
+            eos_id: the end-of-sequence token id.
+
+        Raises:
+            TypeError: ``input_ids`` are not integers, or ``eos_id`` is not an int.
+
+        Example:
+            >>> x = torch.tensor([[5, 6, 2, 7, 2, 8]])  # EOS = 2
+            >>> PackedLayout.from_eos(x, eos_id=2).doc_ids
+            tensor([[0, 0, 0, 1, 1, 2]], dtype=torch.int32)
+            >>> from flexpack import document_causal_mask
+            >>> mask = document_causal_mask(PackedLayout.from_eos(x, eos_id=2).doc_ids)
+        """
+        if isinstance(eos_id, bool) or not isinstance(eos_id, int | np.integer):
+            raise TypeError(
+                f"eos_id must be an int token id; got {eos_id!r} ({type(eos_id).__name__}). "
+                "Pass tokenizer.eos_token_id."
+            )
+        ids = _as_int_tensor(input_ids, "input_ids")
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, S) or (S,); got shape {tuple(ids.shape)}")
+        is_eos = (ids == int(eos_id)).to(torch.int32)
+        # A token's document is the number of EOS tokens strictly before it in its row.
+        doc = torch.cumsum(is_eos, dim=1, dtype=torch.int32) - is_eos
+        return cls(doc)
+
+    @classmethod
     def from_cu_seqlens(
         cls,
         cu_seqlens: Tensor | np.ndarray | Sequence,

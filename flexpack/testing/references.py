@@ -245,6 +245,7 @@ def reference_attention(
     *,
     scale: float | None = None,
     enable_gqa: bool = False,
+    softcap: float | None = None,
 ) -> Tensor:
     """Masked softmax attention in float64, the reference flex_attention is tested against.
 
@@ -258,6 +259,8 @@ def reference_attention(
         scale: score scale; defaults to 1 / sqrt(E).
         enable_gqa: let each group of Hq / Hkv query heads share one kv head (as in
             ``scaled_dot_product_attention``: query head h uses kv head h // (Hq // Hkv)).
+        softcap: attention-logit soft-capping (Gemma 2): scores become
+            ``softcap * tanh(scores / softcap)`` after ``scale``, before masking.
 
     Returns:
         (B, Hq, L, Ev) tensor in q's dtype. Query rows with no allowed key are exactly 0 (never
@@ -313,6 +316,8 @@ def reference_attention(
         ) from err
     scale = 1.0 / math.sqrt(E) if scale is None else scale
     scores = q.double() @ k.double().transpose(-2, -1) * scale  # (B, Hq, L, S)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
     any_allowed = allowed.any(dim=-1, keepdim=True)  # (B, Hq, L, 1)
     # Fully masked rows would be softmax(-inf, ..., -inf) = NaN; give them 0 instead.
