@@ -282,18 +282,17 @@ def _doc_ids(
 
 
 def _build_mask(doc_ids: Tensor, is_causal: bool, sliding_window: int | None):
-    import flexpack
-
-    if sliding_window is None:
-        build = flexpack.document_causal_mask if is_causal else flexpack.document_mask
-        return build(doc_ids)
+    """The flexpack Mask (a description: ``flexpack.attention`` builds a BlockMask only on the
+    flex path, once per forward, and never for varlen or per-document SDPA)."""
     from flexpack import masks
 
+    mask = masks.document(doc_ids)
+    if sliding_window is None:
+        return mask & masks.causal() if is_causal else mask
     if not is_causal:
         raise ValueError(
             f"flexpack attention got a sliding window ({sliding_window}) on a non-causal layer; "
             "only causal sliding windows (Mistral-style) are supported."
         )
     # transformers' sliding window keeps kv_idx > q_idx - sliding_window, i.e. q - kv <= window - 1
-    mask = masks.document(doc_ids) & masks.causal() & masks.sliding_window(int(sliding_window) - 1)
-    return mask.block_mask()
+    return mask & masks.causal() & masks.sliding_window(int(sliding_window) - 1)
