@@ -7,18 +7,29 @@ Compiles use dynamo's ``CompileCounter`` backend (no inductor), so they take mil
 
 from __future__ import annotations
 
+import itertools
+import sys
+from types import SimpleNamespace
+from typing import ClassVar
+
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from torch._dynamo.testing import CompileCounter
 from torch.nn.attention.flex_attention import flex_attention
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from flexpack import _attention_flex, masks
 from flexpack._attention_flex import RecompileLimitError
 from flexpack._attention_sdpa import document_groups
+from flexpack.attention import _choose_path, _flex_block_mask, _kv_for_causal_sdpa, _mask_spec
 from flexpack.layout import PackedLayout
+from flexpack.masks import mask_of
 from flexpack.testing import references
 from flexpack.testing import strategies as fst
+
+aten = torch.ops.aten
 
 # ----------------------------------------------------------------------------- mask parameters
 
@@ -173,3 +184,198 @@ def test_layout_plan_equals_the_computed_plan(d):
     plan, want = _attention_flex.layout_varlen_plan(layout), _attention_flex._varlen_plan(d)
     assert torch.equal(plan.order, want.order) and torch.equal(plan.cu_seqlens, want.cu_seqlens)
     assert (plan.max_seqlen, plan.identity) == (want.max_seqlen, want.identity)
+
+
+# ----------------------------------------------------------------------------- host syncs
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts the ops that make the host wait for the device on CUDA, seen on CPU.
+
+    ``item``/``bool``/``int`` (``_local_scalar_dense``), ``nonzero``, ``masked_select``, boolean
+    indexing, ``unique``, ``repeat_interleave`` without ``output_size`` and ``tolist``. On a GPU,
+    ``torch.cuda.set_sync_debug_mode("error")`` checks the same thing for real.
+    """
+
+    SYNCING: ClassVar[set] = {
+        aten._local_scalar_dense.default,
+        aten.nonzero.default,
+        aten.masked_select.default,
+        aten._unique2.default,
+        aten.unique_consecutive.default,
+        aten.unique_dim.default,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+        self.paused = False
+        self.active = False
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.active = False
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.paused:
+            bool_index = func is aten.index.Tensor and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1]
+            )
+            unsized = func is aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+            if func in self.SYNCING or bool_index or unsized:
+                self.syncs.append(str(func))
+        return func(*args, **kwargs)
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    counter = SyncCounter()
+    real_tolist = torch.Tensor.tolist
+
+    def tolist(t):
+        if counter.active and not counter.paused:
+            counter.syncs.append("tolist")
+        return real_tolist(t)
+
+    monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+    return counter
+
+
+def test_varlen_plan_syncs_once_and_a_layout_plan_never(sync_counter):
+    layout = PackedLayout.from_seqlens([[3, 2, 4], [5, 1]], max_len=10)  # views cached
+    with sync_counter:
+        _attention_flex._varlen_plan(layout.doc_ids)
+    assert sync_counter.syncs == ["tolist"]
+    sync_counter.syncs.clear()
+    with sync_counter:
+        plan = _attention_flex.layout_varlen_plan(layout)
+    assert sync_counter.syncs == [] and plan.max_seqlen == 5
+
+
+def _fake_varlen_attn(counter: SyncCounter):
+    """torch's varlen_attn (CUDA only) as per-document SDPA on CPU, uncounted."""
+
+    def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size, enable_gqa):
+        counter.paused = True
+        try:
+            out = torch.empty_like(q)
+            bounds = cu_q.tolist()
+            for a, b in itertools.pairwise(bounds):
+                x = [t[a:b].transpose(0, 1) for t in (q, k, v)]  # (H, L, D)
+                out[a:b] = F.scaled_dot_product_attention(
+                    *x, is_causal=window_size == (-1, 0), scale=scale, enable_gqa=enable_gqa
+                ).transpose(0, 1)
+            return out
+        finally:
+            counter.paused = False
+
+    return varlen_attn
+
+
+def test_gpt_forward_on_the_varlen_path_syncs_at_most_once(sync_counter, monkeypatch):
+    import torch.nn.attention.varlen as varlen_module
+
+    from flexpack.batch import pack_sequences
+    from flexpack.models import GPT, GPTConfig
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", _fake_varlen_attn(sync_counter))
+    attention_module = sys.modules["flexpack.attention"]  # the package exports the function
+    monkeypatch.setattr(attention_module, "_choose_path", lambda *a, **k: "varlen")
+    torch.manual_seed(0)
+    docs = [torch.randint(0, 256, (n,)) for n in (5, 9, 3, 7, 4)]
+    batch = pack_sequences(docs, max_len=16)
+    model = GPT(GPTConfig(n_layer=3, n_embd=32)).eval()
+    with torch.no_grad():
+        want = model(batch.input_ids, position_ids=batch.position_ids, doc_ids=batch.doc_ids)
+        doc_ids = batch.doc_ids.clone()  # a fresh tensor: no cached plan
+        with sync_counter:
+            by_ids = model(batch.input_ids, doc_ids=doc_ids)
+        assert sync_counter.syncs == ["tolist"]  # the plan, on the first layer only
+        sync_counter.syncs.clear()
+        with sync_counter:
+            by_layout = model(batch.input_ids, layout=batch.layout)
+        assert sync_counter.syncs == []  # the packer's host-side plan: no sync at all
+    torch.testing.assert_close(by_ids, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(by_layout, want, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- dispatch, faked
+
+
+def _fake(dtype=torch.bfloat16, D=64, H=4, device="cuda"):
+    """What _choose_path reads of a tensor, on a device this machine does not have."""
+    return SimpleNamespace(
+        device=torch.device(device), dtype=dtype, requires_grad=True, shape=(1, H, 32, D)
+    )
+
+
+DOC = torch.tensor([[0] * 12 + [1] * 16 + [-1] * 4])
+
+
+@pytest.mark.parametrize(
+    ("D", "path"), [(64, "varlen"), (8, "varlen"), (256, "varlen"), (12, "flex"), (264, "flex")]
+)
+def test_varlen_only_for_head_dims_flash_attention_takes(monkeypatch, D, path):
+    monkeypatch.setattr(_attention_flex, "varlen_available", lambda device: True)
+    spec = _mask_spec(masks.document(DOC) & masks.causal(), torch.empty(1, 4, 32, D))
+    q = _fake(D=D)
+    assert _choose_path(q, q, q, spec, "auto") == path
+    if path == "flex":
+        with pytest.raises(ValueError, match=f"multiples of 8 up to 256 \\(q has {D}\\)"):
+            _choose_path(q, q, q, spec, "varlen")
+
+
+def test_fp32_gqa_causal_sdpa_on_cuda_repeats_kv():
+    k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    k2, v2, gqa = _kv_for_causal_sdpa(_fake(torch.float32, D=16, H=6), k, v, True)
+    assert not gqa and k2.shape == v2.shape == (1, 6, 32, 16)
+    assert torch.equal(k2[:, 3], k[:, 1]) and torch.equal(v2[:, 2], v[:, 0])  # head h -> h // 3
+    for q in (_fake(torch.bfloat16, D=16, H=6), _fake(torch.float32, D=16, H=6, device="cpu")):
+        assert _kv_for_causal_sdpa(q, k, v, True) == (k, v, True)  # flash / CPU take GQA
+
+
+def test_flex_block_masks_on_cuda_are_multiples_of_128():
+    m = masks.document(torch.tensor([[0] * 100 + [1] * 150 + [-1] * 6])) & masks.causal()
+    cuda = torch.device("cuda")
+    q = torch.empty(1, 1, 256, 16)
+    small = _mask_spec(m.block_mask(block_size=64), q)
+    rebuilt = _flex_block_mask(small, 256, cuda)
+    assert rebuilt.BLOCK_SIZE == (128, 128) and mask_of(rebuilt).kind == "document_causal"
+    same = references.dense_mask(rebuilt)
+    assert torch.equal(same, references.dense_mask(m))
+    assert _flex_block_mask(small, 256, torch.device("cpu")).BLOCK_SIZE == (64, 64)
+    big = _mask_spec(m.block_mask(block_size=256), q)
+    assert _flex_block_mask(big, 256, cuda) is big.block_mask
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    foreign = create_block_mask(lambda b, h, qi, kv: qi >= kv, 1, 1, 256, 256, "cpu", 64)
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE=\(64, 64\).*BLOCK_SIZE=128"):
+        _flex_block_mask(_mask_spec(foreign, q), 256, cuda)
+
+
+def test_a_mask_description_becomes_one_block_mask_per_forward():
+    d = DOC.clone()
+    spec = _mask_spec(masks.document(d) & masks.sliding_window(5), torch.empty(1, 1, 32, 16))
+    first = _flex_block_mask(spec, 32, torch.device("cpu"))
+    assert _flex_block_mask(spec, 32, torch.device("cpu")) is first  # the next layers
+    d[0, -1] = 1  # edited in place: rebuilt
+    assert _flex_block_mask(spec, 32, torch.device("cpu")) is not first
+
+
+def test_a_block_mask_moved_with_to_reads_its_tensors_on_the_new_device():
+    m = masks.document(DOC) & masks.causal() & masks.sliding_window(3)
+    moved = m.block_mask(block_size=16).to("meta")  # BlockMask.to: tables only
+    spec = _mask_spec(moved, torch.empty(1, 1, 32, 16, device="meta"))
+    assert {t.device.type for t in mask_of(spec.block_mask)._tensors()} == {"meta"}
+    assert spec.block_mask.kv_indices is moved.kv_indices  # no copy of the tables
+
+
+def test_a_block_mask_on_another_device_says_how_to_rebuild_it():
+    bm = (masks.document(DOC) & masks.causal()).block_mask(block_size=16)
+    with pytest.raises(ValueError, match=r"mask_of\(block_mask\)\.to\('meta'\)\.block_mask\(\)"):
+        _mask_spec(bm, torch.empty(1, 1, 32, 16, device="meta"))
