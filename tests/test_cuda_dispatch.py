@@ -379,3 +379,53 @@ def test_a_block_mask_on_another_device_says_how_to_rebuild_it():
     bm = (masks.document(DOC) & masks.causal()).block_mask(block_size=16)
     with pytest.raises(ValueError, match=r"mask_of\(block_mask\)\.to\('meta'\)\.block_mask\(\)"):
         _mask_spec(bm, torch.empty(1, 1, 32, 16, device="meta"))
+
+
+# ----------------------------------------------------------------------------- bench/gpu.py
+
+
+def _gpu_bench():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("flexpack_bench_gpu_cuda", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bench_survives_a_failing_method_and_reports_each_row(monkeypatch):
+    gpu = _gpu_bench()
+    real = gpu.flexpack.attention
+
+    def attention(*args, backend="auto", **kw):
+        if backend == "flex":
+            raise RuntimeError("Q and KV block size must be divisible by BLOCK_M and BLOCK_N")
+        return real(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(gpu.flexpack, "attention", attention)
+    monkeypatch.setattr(gpu, "DENSE_MAX_S", 128)  # S=256 counts as "above 32K" here
+    seen, flops = [], {}
+    results, _ = gpu.speed(
+        torch.device("cpu"), 256, H=1, D=16, median=32, dry_run=True, flops=flops,
+        on_result=seen.append,
+    )  # fmt: skip
+    assert [r.method for r in seen] == [r.method for r in results]  # reported as they finish
+    by = {r.method: r for r in results}
+    assert by["flexpack flex"].note.startswith("failed: RuntimeError: Q and KV block size")
+    assert by["flexpack auto"].reps >= 2 and by["flexpack auto"].fwd > 0  # the others ran
+    assert by["SDPA + dense mask"].note.startswith("skipped: S > 0K")
+    assert "SDPA backend: " in by["SDPA causal (no doc mask)"].note
+    report = gpu.markdown(results, flops, gpu.Checks(), "CPU", [])
+    assert "| 256 | flexpack flex | — | — | — | — | failed: RuntimeError" in report
+    assert gpu.targets(results[:1]) == []  # partial rows: no KeyError
+
+
+def test_sdpa_backend_names_the_kernel():
+    gpu = _gpu_bench()
+    q = torch.randn(1, 2, 16, 8)
+    assert gpu.sdpa_backend(lambda: F.scaled_dot_product_attention(q, q, q)) == "flash (CPU)"
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        assert gpu.sdpa_backend(lambda: F.scaled_dot_product_attention(q, q, q)) == "math"
