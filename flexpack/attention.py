@@ -5,8 +5,11 @@ One call picks the path that can run the mask on the inputs' device:
 ========  ==========================================================================
 device    path (``backend="auto"``)
 ========  ==========================================================================
-CUDA      document / document_causal masks in fp16/bf16: torch's varlen FlashAttention;
-          causal alone: SDPA ``is_causal``; any other mask: compiled flex_attention
+CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 8 up to 256:
+          torch's varlen FlashAttention; causal alone: SDPA ``is_causal`` (fp32 with GQA: k, v
+          repeated, so SDPA stays off its O(S^2) math kernel); any other mask: compiled
+          flex_attention, with a BlockMask of 128-token blocks built once per forward (head
+          dims below 16 zero-padded to 16)
 CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
           flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
           ``is_causal``; other masks: compiled flex_attention at fixed shapes without

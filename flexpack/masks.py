@@ -380,7 +380,8 @@ class Mask:
         self.children = children
         self._in_prefix = in_prefix
         self._window_t = window_t  # 0-d int64 twin of ``window``, read by the mask_mod
-        self._moved: dict[torch.device, Mask] = {}  # .to(device) results, one per device
+        # .to(device) results, one per device, with the versions of the tensors they copied.
+        self._moved: dict[torch.device, tuple[tuple[int, ...], Mask]] = {}
         # Lets mask_of() find the Mask behind a BlockMask (the mask_mod travels with it).
         mask_mod._flexpack_mask = self  # type: ignore[attr-defined]
 
@@ -406,8 +407,8 @@ class Mask:
         A mask_mod reads its doc ids (and window, prefix flags) from the tensors it closes over,
         so moving a BlockMask with ``BlockMask.to`` leaves the mask_mod on the old device. Move
         the Mask instead and build the BlockMask there: ``mask.to("cuda").block_mask()``.
-        Returns ``self`` when everything is already there; the moved mask is cached per device,
-        so calling ``.to`` in every layer copies once.
+        Returns ``self`` when everything is already there; the moved mask is cached per device
+        (until a tensor is modified in place), so calling ``.to`` in every layer copies once.
 
         Example:
             >>> import torch
@@ -418,11 +419,15 @@ class Mask:
         dev = torch.device(device)
         if all(_same_device(dev, t.device) for t in self._tensors()):
             return self
-        key = torch.device(dev.type, dev.index) if dev.index is not None else dev
-        moved = self._moved.get(key)
-        if moved is None:
-            moved = self._rebuilt(lambda t: None if t is None else t.to(dev))
-            self._moved[key] = moved
+        try:  # an in-place edit of a tensor (new version) makes the cached copy stale
+            versions = tuple(t._version for t in self._tensors())
+        except RuntimeError:  # inference tensors have no version counter: do not cache
+            return self._rebuilt(lambda t: None if t is None else t.to(dev))
+        hit = self._moved.get(dev)
+        if hit is not None and hit[0] == versions:
+            return hit[1]
+        moved = self._rebuilt(lambda t: None if t is None else t.to(dev))
+        self._moved[dev] = (versions, moved)
         return moved
 
     def _rebuilt(self, move: Callable[[Tensor | None], Tensor | None]) -> Mask:
@@ -551,7 +556,6 @@ class Mask:
                     f"doc ids (doc_ids.to(device)) before building the mask."
                 )
             dev = doc_ids.device
-            src = self
         else:
             if Q_LEN is None or KV_LEN is None:
                 raise ValueError(

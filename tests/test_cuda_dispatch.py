@@ -429,3 +429,40 @@ def test_sdpa_backend_names_the_kernel():
     assert gpu.sdpa_backend(lambda: F.scaled_dot_product_attention(q, q, q)) == "flash (CPU)"
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
         assert gpu.sdpa_backend(lambda: F.scaled_dot_product_attention(q, q, q)) == "math"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpt_forward_syncs_on_cuda():  # pragma: no cover - runs where a GPU exists
+    import warnings
+
+    from flexpack.batch import pack_sequences
+    from flexpack.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    docs = [torch.randint(0, 256, (n,)) for n in (50, 90, 30, 70, 40)]
+    batch = pack_sequences(docs, max_len=128).to("cuda")
+    cfg = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=256)  # D=64: varlen in bf16
+    model = GPT(cfg).to("cuda", torch.bfloat16).eval()
+
+    def syncs(**kw) -> int:
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen, torch.no_grad():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                model(batch.input_ids, **kw)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        return sum("synchroniz" in str(w.message) for w in seen)
+
+    assert syncs(doc_ids=batch.doc_ids.clone()) <= 1  # the varlen plan, first layer only
+    assert syncs(layout=batch.layout) == 0  # the packer's host-side plan
+
+
+def test_mask_to_sees_in_place_edits():
+    d = torch.tensor([[0, 0, 1, 1]])
+    m = masks.document(d)
+    first = m.to("meta")
+    assert m.to("meta") is first
+    d[0, 0] = 1  # the copy on "meta" is stale now
+    assert m.to("meta") is not first
