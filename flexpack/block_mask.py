@@ -379,9 +379,11 @@ def _ordered(classes: Tensor, value: int, transpose: bool) -> tuple[Tensor, Tens
     num = torch.empty(B * n, dtype=torch.int32, device=device)
     indices = torch.empty(B * n, m, dtype=torch.int32, device=device)
     j = torch.arange(m, dtype=torch.int32, device=device)
-    # Rows go in at most a few steps only to bound the temporaries (~17 bytes per entry of a
-    # step) to a fraction of the output; each step is vectorized over its rows.
-    step = max(1, min(_CHUNK // m, -(-(B * n) // 4)))
+    # Rows go in a few steps only to bound the temporaries (~17 bytes per entry of a step) to
+    # a fraction of the output; each step is vectorized over its rows. Small block matrices go
+    # in one step: there the per-op overhead, not memory, is the cost.
+    rows = B * n
+    step = rows if rows * m <= _CHUNK // 4 else max(1, min(_CHUNK // m, -(-rows // 4)))
     for r in range(0, B * n, step):
         hit = classes[r : r + step] == value  # (rows, m) bool
         cnt = hit.sum(-1, dtype=torch.int32)
@@ -406,9 +408,11 @@ def packed_layout(doc_ids: Tensor) -> bool:
         (True, False)
     """
     d = _narrow(doc_ids)
-    # Padding as +inf: the row must be non-decreasing, which also puts padding at the end.
-    big = torch.where(d >= 0, d, torch.iinfo(d.dtype).max)
-    return bool((big[:, 1:] >= big[:, :-1]).all())
+    real = d >= 0
+    after, before = real[:, 1:], real[:, :-1]
+    # A real token after padding, or a real id below the one before it.
+    bad = after & (~before | (d[:, 1:] < d[:, :-1]))
+    return not bool(bad.any())
 
 
 def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
@@ -420,7 +424,12 @@ def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
     """
     B, S = doc_ids.shape
     nb = _num_blocks(S, block_size)
-    d = doc_ids.to(torch.int64)
+    # Ids as ranks 0..n-1 per row (each id is one run in a packed layout): only their order
+    # matters below, and small values keep 2 * id + 1 far from overflowing.
+    real = doc_ids >= 0
+    change = torch.ones_like(real)
+    change[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    d = torch.where(real, torch.cumsum(change, 1) - 1, -1)  # (B, S) int64
     if nb * block_size != S:
         d = torch.nn.functional.pad(d, (0, nb * block_size - S), value=-1)
     blocks = d.view(B, nb, block_size)

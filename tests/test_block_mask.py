@@ -264,3 +264,20 @@ def test_packed_layout_gates_the_direct_path(row: list[int], packed: bool) -> No
     assert bmod.packed_layout(d) is packed
     m = masks.document(d)
     _assert_identical(m.block_mask(block_size=2), _reference(m, 2))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [-(2**31), 2**31 - 1],  # padding then the largest int32 id: not a packer layout
+        [0, 2**31 - 1, 2**31 - 1, -(2**31)],
+    ],
+)
+def test_document_block_mask_with_extreme_ids(row: list[int]) -> None:
+    for dtype in (torch.int32, torch.int64):
+        d = torch.tensor([row], dtype=dtype)
+        for m in (masks.document(d), masks.document(d) & masks.causal()):
+            _assert_identical(m.block_mask(block_size=2), _reference(m, 2))
+    big = torch.tensor([[0, 2**62, 2**63 - 1, -1]])  # 2 * id would overflow int64
+    for m in (masks.document(big), masks.document(big) & masks.causal()):
+        _assert_identical(m.block_mask(block_size=1), _reference(m, 1))
