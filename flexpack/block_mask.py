@@ -354,6 +354,8 @@ def combine_not(classes: Tensor) -> Tensor:
     return FULL - classes
 
 
+_SERIAL_ELEMENTS = 1 << 15  # torch's intra-op grain size: smaller ops stay on one thread
+_SERIAL_MAX_TOTAL = 1 << 20  # outputs up to this many entries are written serially
 _PAIRS = 1 << 20  # block pairs per step of _nonempty_generic (~40 MB of temporaries)
 _CHUNK = 1 << 18  # block-matrix entries per step of _ordered: bounds its temporaries (~4 MB)
 
@@ -421,41 +423,40 @@ def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
     Returns (a, c, d, b), each (B, nb) int64: blocks [a, b) share a document with block i
     (non-empty), blocks [c, d) are full (c == d == b when none). The document mask is
     symmetric, so the same runs describe the q blocks of kv block i.
+
+    Every document is one run of tokens [start, end]: block i meets the documents of its first
+    and last real tokens and those between, so its non-empty run goes from the block of the
+    first one's start to the block of the last one's end. A block is full-capable when one
+    document covers it; its full run is the blocks that document covers entirely. Only
+    per-token scans and (B, nb) gathers: no sort, search or per-block reduction (those run
+    multi-threaded on CPU even for small inputs, which costs more than the work).
     """
     B, S = doc_ids.shape
-    nb = _num_blocks(S, block_size)
-    # Ids as ranks 0..n-1 per row (each id is one run in a packed layout): only their order
-    # matters below, and small values keep 2 * id + 1 far from overflowing.
-    real = doc_ids >= 0
-    change = torch.ones_like(real)
-    change[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    d = torch.where(real, torch.cumsum(change, 1) - 1, -1)  # (B, S) int64
-    if nb * block_size != S:
-        d = torch.nn.functional.pad(d, (0, nb * block_size - S), value=-1)
-    blocks = d.view(B, nb, block_size)
-    first = blocks[:, :, 0]  # the smallest id of the block, or -1 for a padding block
-    hi = blocks.amax(-1)  # the largest id (padding is -1, at the row end only)
-    last_in_range = d[
-        :, torch.clamp(torch.arange(nb, device=d.device) * block_size + block_size, max=S) - 1
-    ]
-    any_real = first >= 0
-    big = torch.iinfo(torch.int64).max // 4
-    lo_key = torch.where(any_real, first, big)  # non-decreasing along the row
-    hi_key = torch.where(any_real, hi, big)
-    # Non-empty: kv blocks whose id range [first, hi] meets block i's.
-    a = torch.searchsorted(hi_key, lo_key)
-    b = torch.searchsorted(lo_key, hi, right=True)
-    b = torch.where(any_real, b, a)
-    # Full: one document, no padding, the same document on both sides. Keyed 2 * id (+1 for a
-    # block that is not full-capable), the key is non-decreasing and the full run is the run
-    # of key 2 * id.
-    capable = any_real & (first == hi) & (last_in_range >= 0)
-    key = torch.where(capable, 2 * first, torch.where(any_real, 2 * first + 1, big))
-    c = torch.searchsorted(key, 2 * first)
-    dd = torch.searchsorted(key, 2 * first, right=True)
-    c = torch.where(capable, c, b)
-    dd = torch.where(capable, dd, b)
-    return a, c, dd, b
+    device = doc_ids.device
+    real = doc_ids >= 0  # a prefix of each row
+    opens = real.clone()  # the token opens a document
+    opens[:, 1:] &= doc_ids[:, 1:] != doc_ids[:, :-1]
+    rank = torch.cumsum(opens, 1) - 1  # (B, S): document rank 0..n-1 (last one on padding)
+    pos = torch.arange(S, device=device)
+    n_real = real.sum(1, keepdim=True)  # (B, 1)
+    # starts[b, r]: first token of document r; n_real for r >= the row's document count, so
+    # that starts[b, r + 1] - 1 is the last token of document r. Column S + 1 takes the
+    # scatter of the tokens that open nothing.
+    starts = n_real.expand(B, S + 2).clone()
+    starts.scatter_(1, torch.where(opens, rank, S + 1), pos.expand(B, S))
+    first_pos = pos[::block_size]  # (nb,) each block's first token
+    last_pos = torch.clamp(first_pos + block_size, max=S) - 1  # its last in-range token
+    any_real = real[:, first_pos]  # (B, nb): padding only at the row end
+    first = torch.clamp(rank[:, first_pos], min=0)  # document of the block's first token
+    last = torch.clamp(rank[:, last_pos], min=0)  # of its last real token (rank runs on)
+    first_start = torch.gather(starts, 1, first)
+    last_end = torch.gather(starts, 1, last + 1) - 1
+    a = first_start // block_size
+    b = torch.where(any_real, last_end // block_size + 1, a)
+    capable = any_real & (first == last) & real[:, last_pos]
+    c = torch.where(capable, -(-first_start // block_size), b)
+    d = torch.where(capable, (last_end + 1) // block_size, b)
+    return a, c, d, b
 
 
 def _run_indices(runs: Tensor, m: int) -> tuple[Tensor, Tensor]:
@@ -484,10 +485,22 @@ def _run_indices(runs: Tensor, m: int) -> tuple[Tensor, Tensor]:
     # A segment starting at m adds nothing: park it on column 0 with a step of 0.
     inside = starts < m
     steps = (values[:, 1:] - values[:, :-1]).masked_fill_(~inside, 0).to(torch.int32)
-    out = torch.zeros(a.numel(), m, dtype=torch.int32, device=a.device)
-    out.scatter_add_(1, starts.masked_fill_(~inside, 0), steps)
-    out.cumsum_(1)
-    out.add_(torch.arange(m, dtype=torch.int32, device=a.device))
+    starts = starts.masked_fill_(~inside, 0)
+    rows = a.numel()
+    out = torch.empty(rows, m, dtype=torch.int32, device=a.device)
+    j = torch.arange(m, dtype=torch.int32, device=a.device)
+    # On CPU, a small output is written in pieces below torch's intra-op grain size (32768
+    # elements): each op then runs on the calling thread. A parallel region costs a thread
+    # wake-up, which on a loaded machine (a descheduled worker) is milliseconds, many times
+    # the work itself. Large outputs keep a few parallel pieces.
+    total = rows * m
+    piece = _SERIAL_ELEMENTS if total <= _SERIAL_MAX_TOTAL else max(total // 4, _SERIAL_ELEMENTS)
+    step = rows if a.device.type != "cpu" else max(1, piece // m)
+    for r in range(0, rows, step):
+        o = out[r : r + step].zero_()
+        o.scatter_add_(1, starts[r : r + step], steps[r : r + step])
+        o.cumsum_(1)
+        o.add_(j)
     return cnt.to(torch.int32), out
 
 

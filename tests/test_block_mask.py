@@ -281,3 +281,12 @@ def test_document_block_mask_with_extreme_ids(row: list[int]) -> None:
     big = torch.tensor([[0, 2**62, 2**63 - 1, -1]])  # 2 * id would overflow int64
     for m in (masks.document(big), masks.document(big) & masks.causal()):
         _assert_identical(m.block_mask(block_size=1), _reference(m, 1))
+
+
+def test_document_block_mask_written_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small outputs are written in pieces below torch's grain size; force many pieces.
+    monkeypatch.setattr(bmod, "_SERIAL_ELEMENTS", 8)
+    rng = random.Random(3)
+    d = _layout(3, 37, rng)
+    for m in (masks.document(d), masks.document(d) & masks.causal()):
+        _assert_identical(m.block_mask(block_size=4), _reference(m, 4))
