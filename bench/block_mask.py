@@ -252,9 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         f"({elapsed:.0f} s)\n"
         f"- mask: document-causal, block_size 128; doc lengths lognormal (median 300, sigma 1)\n"
         f"- time: median after a warm-up call (the compile, for compiled); ratios are "
-        f"create_block_mask time / flexpack time at the same thread count, flexpack timed "
-        f"right after each baseline call in the baseline's own process (the load of the "
-        f"shared machine drifts between processes); the flexpack columns are its own process\n"
+        f"create_block_mask time / flexpack time at the same thread count, in the same run "
+        f"(each in its own process; the JSON of a baseline worker also carries flexpack timed "
+        f"right after each baseline call, `flexpack_paired`)\n"
         f"- **headline**: `torch.compile(create_block_mask)` on the mask_mod a user writes "
         f"(`doc[b, q] == doc[b, kv]` & `doc[b, q] >= 0` & `q >= kv`, as attention-gym and "
         f"torchtune), default threads, vs flexpack at default threads\n"
@@ -281,10 +281,9 @@ def _cell_time(r) -> str:
     return _fmt_s(r["seconds"]) if isinstance(r, dict) else "-"
 
 
-def _cell_ratio(r, fp=None) -> str:
-    """Baseline time over flexpack's, timed alternately in the baseline's own process."""
-    if isinstance(r, dict) and r.get("flexpack_paired"):
-        return f"{r['seconds'] / r['flexpack_paired']:.0f}x"
+def _cell_ratio(r, fp) -> str:
+    if isinstance(r, dict) and isinstance(fp, dict):
+        return f"{r['seconds'] / fp['seconds']:.0f}x"
     return "-"
 
 

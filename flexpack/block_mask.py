@@ -433,24 +433,29 @@ def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
     """
     B, S = doc_ids.shape
     device = doc_ids.device
+    i32 = torch.int32  # positions and ranks fit (S < 2^31): half the bytes of int64
     real = doc_ids >= 0  # a prefix of each row
     opens = real.clone()  # the token opens a document
     opens[:, 1:] &= doc_ids[:, 1:] != doc_ids[:, :-1]
-    rank = torch.cumsum(opens, 1) - 1  # (B, S): document rank 0..n-1 (last one on padding)
-    pos = torch.arange(S, device=device)
-    n_real = real.sum(1, keepdim=True)  # (B, 1)
+    rank = torch.cumsum(opens, 1, dtype=i32).sub_(1)  # (B, S): document 0..n-1, runs on
     # starts[b, r]: first token of document r; n_real for r >= the row's document count, so
-    # that starts[b, r + 1] - 1 is the last token of document r. Column S + 1 takes the
-    # scatter of the tokens that open nothing.
-    starts = n_real.expand(B, S + 2).clone()
-    starts.scatter_(1, torch.where(opens, rank, S + 1), pos.expand(B, S))
-    first_pos = pos[::block_size]  # (nb,) each block's first token
+    # that starts[b, r + 1] - 1 is the last token of document r. One flat table, S + 2 per
+    # row; the last slot of each row takes the writes of the tokens that open nothing.
+    width = S + 2
+    n_real = real.sum(1, dtype=i32)  # (B,)
+    starts = n_real.repeat_interleave(width, output_size=B * width)
+    row0 = torch.arange(0, B * width, width, dtype=i32, device=device)[:, None]
+    slot = torch.where(opens, rank, width - 1).add_(row0).view(-1).long()  # index_copy_: int64
+    pos = torch.arange(S, dtype=i32, device=device)
+    starts.index_copy_(0, slot, pos.expand(B, S).reshape(-1))
+    starts = starts.view(B, width)
+    first_pos = torch.arange(0, S, block_size, device=device)  # (nb,) each block's first token
     last_pos = torch.clamp(first_pos + block_size, max=S) - 1  # its last in-range token
     any_real = real[:, first_pos]  # (B, nb): padding only at the row end
-    first = torch.clamp(rank[:, first_pos], min=0)  # document of the block's first token
-    last = torch.clamp(rank[:, last_pos], min=0)  # of its last real token (rank runs on)
-    first_start = torch.gather(starts, 1, first)
-    last_end = torch.gather(starts, 1, last + 1) - 1
+    first = rank[:, first_pos].clamp_(min=0).long()  # document of the block's first token
+    last = rank[:, last_pos].clamp_(min=0).long()  # of its last real token (rank runs on)
+    first_start = torch.gather(starts, 1, first).long()
+    last_end = torch.gather(starts, 1, last + 1).long() - 1
     a = first_start // block_size
     b = torch.where(any_real, last_end // block_size + 1, a)
     capable = any_real & (first == last) & real[:, last_pos]
