@@ -262,7 +262,7 @@ def write_markdown(results: dict, cmd: str, path: str) -> None:
         "|---|---|---|---|",
     ]
     for key, name in (
-        ("flexpack", "flexpack `pack_dataset` (global plan, padded rows written)"),
+        ("flexpack", "flexpack `pack_dataset` (global plan, unpadded rows + seqlens written)"),
         ("trl_default", "TRL `pack_dataset` bfd, default (per 1,000-row map batch)"),
         ("trl_one_batch", "TRL `pack_dataset` bfd, `map_kwargs={'batch_size': N}`"),
         ("flexpack_plan_only", "flexpack `pack` on the lengths only (no tokens)"),
@@ -274,14 +274,14 @@ def write_markdown(results: dict, cmd: str, path: str) -> None:
     lines += [
         "",
         f"TRL's default chunked packing makes {extra:+.2%} rows compared with the global plan. "
-        "TRL writes unpadded rows plus seq_lengths; flexpack writes padded (4096,) rows with "
-        "labels, doc_ids and position_ids, so it writes more bytes per row. Peak RSS of this "
+        "Both write unpadded rows plus sequence lengths (flexpack as int32 when the ids fit; "
+        "bench/pack_dataset.py compares time and bytes on disk). Peak RSS of this "
         f"part (both packers, data in memory): {h['peak_rss_mb']:.0f} MB.",
         "",
         f"## Bounded memory: pack_dataset from disk to disk ({c['samples']:,} samples)",
         "",
         f"Source {c['source_mb']:.0f} MB of int32 tokens (written by another process, then "
-        f"load_from_disk: memory-mapped), output {c['output_mb']:.0f} MB ({c['rows']:,} padded "
+        f"load_from_disk: memory-mapped), output {c['output_mb']:.0f} MB ({c['rows']:,} unpadded "
         f"rows, cache files next to the source) in {c['s']:.1f} s. RSS {c['rss_before_mb']:.0f} "
         f"MB before packing, {c['rss_after_mb']:.0f} MB after, peak {c['peak_rss_mb']:.0f} MB "
         "(pages of the memory-mapped files count in RSS while touched, as reclaimable page cache).",
@@ -290,8 +290,8 @@ def write_markdown(results: dict, cmd: str, path: str) -> None:
         f"peaked at {p['peak_rss_mb']:.0f} MB ({p['rss_before_mb']:.0f} MB of it before the "
         f"lengths existed; {p['rows']:,} rows). A 10M-sample `pack_dataset` holds that plus one "
         "copy of the plan per `num_proc` worker; the tokens are never all in memory. (10M samples "
-        "end to end would write ~75 GB of padded rows, too much for this shared machine, so the "
-        "token path was measured at the smaller scale above.)",
+        "end to end would write ~20 GB of int32 tokens, too much for this shared machine; "
+        "bench/pack_dataset.py measures the token path at 1M.)",
         "",
         f"## Streaming efficiency vs buffer size ({s['samples']:,} samples)",
         "",

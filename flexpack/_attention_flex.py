@@ -264,17 +264,19 @@ def layout_varlen_plan(layout, B: int | None = None) -> _VarlenPlan | None:
     return _VarlenPlan(order, cache["cu_seqlens"], int(cache["max_seqlen"]), identity)
 
 
-def use_layout(layout) -> bool:
-    """Let the varlen path take ``layout``'s host-computed plan for ``layout.doc_ids``.
+def use_layout(layout, doc_ids: Tensor | None = None) -> bool:
+    """Let the varlen path take ``layout``'s host-computed plan for ``doc_ids``.
 
-    Seeds the per-doc_ids plan cache, so masks built from ``layout.doc_ids`` (the same tensor)
-    run varlen with no host sync at all. Returns whether the layout had its views cached.
+    Seeds the per-doc_ids plan cache for ``doc_ids`` (a mask's own copy of ``layout.doc_ids``;
+    default ``layout.doc_ids``), so a mask over those ids runs varlen with no host sync at all.
+    Returns whether the layout had its views cached.
     """
     plan = layout_varlen_plan(layout)
     if plan is None:
         return False
     rows = layout.shape[0]
-    cached_plan("varlen", layout.doc_ids, rows, lambda _: plan)
+    ids = layout.doc_ids if doc_ids is None else doc_ids
+    cached_plan("varlen", ids, rows, lambda _: plan)
     return True
 
 

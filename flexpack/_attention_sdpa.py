@@ -26,6 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+from flexpack.layout import _check_int32_tokens
+
 
 @dataclass(frozen=True)
 class DocumentGroups:
@@ -58,6 +60,7 @@ def document_groups(doc_ids: Tensor) -> DocumentGroups:
     ids, rows = ids[keep], rows[keep]  # (T,)
     order = (idx + torch.arange(B, device=doc_ids.device).unsqueeze(1) * S)[keep]
     T = ids.numel()
+    _check_int32_tokens(T)  # cu_seqlens below are int32: refuse rather than wrap
     if T == 0:
         seqlens = ids.new_zeros(0)
     else:

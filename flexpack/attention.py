@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
-from flexpack import _attention_flex, _attention_sdpa
+from flexpack import _attention_flex, _attention_sdpa, _attention_tree
 from flexpack import masks as _masks
 from flexpack._attention_flex import RecompileLimitError
 
@@ -228,6 +228,8 @@ def _choose_path(
             return "sdpa_document"
         if spec.kind == "causal":
             return "sdpa_causal"
+        if spec.kind == "tree" and spec.mask is not None:
+            return "sdpa_tree"  # one SDPA call per segment (flexpack._attention_tree)
         return "sdpa_dense"
 
     if backend == "sdpa":
@@ -464,6 +466,8 @@ def attention(
     spec = _mask_spec(mask, q)
     path = _choose_path(q, k, v, spec, backend, softcap)
     B, Hq, S, _ = q.shape
+    if B == 0:  # an empty batch (a last, empty shard): an empty result, still in the graph
+        return q * 0.0
 
     if path == "flex":
         if not torch.is_grad_enabled():
@@ -489,6 +493,11 @@ def attention(
         k, v, enable_gqa = _kv_for_causal_sdpa(q, k, v, enable_gqa)
         return _attention_sdpa.sdpa(
             q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+        )
+    if path == "sdpa_tree":
+        spans = _attention_tree.spans_of(spec.mask)
+        return _attention_tree.per_tree_sdpa(
+            q, k, v, spans, scale=scale, enable_gqa=enable_gqa, softcap=softcap
         )
     dense = _dense_mask(spec, B, Hq, S, q.device)
     return _attention_sdpa.dense_sdpa(

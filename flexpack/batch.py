@@ -125,24 +125,69 @@ class PackedBatch:
 def _split_item(item: Any) -> tuple[Any, Any]:
     if isinstance(item, Mapping):
         if "input_ids" not in item:
+            hint = (
+                " flexpack packs token ids and does not tokenize: tokenize first, e.g. "
+                "{'input_ids': tokenizer(sample['text'])['input_ids']}."
+                if "text" in item
+                else ""
+            )
             raise ValueError(
                 f"a dict sample needs an 'input_ids' key; got keys {sorted(item)[:8]}. "
-                "Rename the column or pass the token lists themselves."
+                f"Rename the column or pass the token lists themselves.{hint}"
             )
         return item["input_ids"], item.get("labels")
     return item, None
 
 
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _first_non_token(x: Any) -> str:
+    """Where a list of token ids first holds something else (for error messages)."""
+    for j, t in enumerate(x):
+        if isinstance(t, str | bytes):
+            return (
+                f"; element {j} is {t!r}. flexpack packs token ids and does not tokenize: "
+                "tokenize first (e.g. tokenizer(text)['input_ids'])"
+            )
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            return f"; element {j} is {t!r} ({type(t).__name__})"
+        if not -_INT64_MAX - 1 <= int(t) <= _INT64_MAX:
+            return f"; element {j} is {t}, which does not fit int64"
+    return ""
+
+
 def _to_array(x: Any, what: str) -> np.ndarray:
     if isinstance(x, Tensor):
         x = x.detach().cpu().numpy()
-    arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    try:
+        arr = x if isinstance(x, np.ndarray) else np.asarray(x)
+    except (TypeError, ValueError, OverflowError):  # ragged: [1, [2]]
+        arr = np.asarray(x, dtype=object)
     if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.size):
+        where = _first_non_token(x) if arr.ndim == 1 and not isinstance(x, np.ndarray) else ""
         raise TypeError(
             f"{what} must be a 1-D sequence of integer token ids; got "
-            f"{type(x).__name__} with shape {arr.shape} and dtype {arr.dtype}"
+            f"{type(x).__name__} with shape {arr.shape} and dtype {arr.dtype}{where}."
+        )
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _INT64_MAX:
+        j = int(np.argmax(arr > _INT64_MAX))
+        raise ValueError(
+            f"{what}: element {j} is {int(arr[j])}, which does not fit int64; token ids must be "
+            "below 2**63 (check the tokenizer output)."
         )
     return arr
+
+
+def _check_pad_id(pad_id: Any) -> int:
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
+        raise TypeError(
+            f"pad_id must be an int token id (the id written on padding, e.g. "
+            f"tokenizer.pad_token_id or 0); got {pad_id!r} of type {type(pad_id).__name__}"
+        )
+    if not -_INT64_MAX - 1 <= int(pad_id) <= _INT64_MAX:
+        raise ValueError(f"pad_id must fit int64; got {pad_id}")
+    return int(pad_id)
 
 
 def _length_of(item: Any, index: int) -> int:
@@ -218,20 +263,33 @@ def _flatten(parts: list[Any], expected: np.ndarray, samples: np.ndarray, what: 
                 "materialize with the same sequences you packed"
             )
     total = int(expected.sum())
-    # Python lists (the common case, e.g. from a tokenizer) go through one C-level pass, twice as
-    # fast as converting each list. np.fromiter would silently truncate floats: the first element
-    # of each list is checked to be an int, and a float anywhere makes the C-level sum a float
-    # (a fifth of the pass's cost), which sends the lists to the checked path below.
-    if all(type(p) is list and (not p or type(p[0]) is int) for p in parts) and isinstance(
-        sum(map(sum, parts)), int | np.integer
-    ):
-        return np.fromiter(itertools.chain.from_iterable(parts), np.int64, total)
+    try:
+        return _flatten_lists(parts, total)
+    except (TypeError, ValueError, OverflowError):  # not plain int lists: the checked path
+        pass
     arrays = [
         _to_array(p, f"{what}sequence {i}") for p, i in zip(parts, samples.tolist(), strict=True)
     ]
     if not arrays:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate(arrays).astype(np.int64, copy=False)
+
+
+def _flatten_lists(parts: list[Any], total: int) -> np.ndarray:
+    """The fast path of :func:`_flatten`; raises TypeError for anything but int lists.
+
+    Python lists (the common case, e.g. from a tokenizer) go through one C-level pass, twice as
+    fast as converting each list. np.fromiter would silently truncate floats: the first element
+    of each list is checked to be an int, and a float anywhere makes the C-level sum a float
+    (a fifth of the pass's cost), which sends the lists to the checked path. Anything else in a
+    list (a str, None, a nested list) makes the sum raise, and an id past int64 makes fromiter
+    raise: the checked path then names the sample and the element.
+    """
+    if all(type(p) is list and (not p or type(p[0]) is int) for p in parts) and isinstance(
+        sum(map(sum, parts)), int | np.integer
+    ):
+        return np.fromiter(itertools.chain.from_iterable(parts), np.int64, total)
+    raise TypeError("not plain int lists")
 
 
 def _assemble(
@@ -251,6 +309,7 @@ def _assemble(
     """
     from flexpack import _kernels
 
+    pad_id = _check_pad_id(pad_id)
     no_labels = np.zeros(0, dtype=np.int64)
     input_ids, labels, doc_ids, position_ids, indices = _kernels.assemble_rows(
         seg,
@@ -320,6 +379,12 @@ def pack_sequences(
         **pack_kwargs: ``strategy``, ``overflow``, ``seed``, ``max_docs_per_row`` of
             :func:`flexpack.pack`.
 
+    Raises:
+        TypeError: a sample is not token ids (``[1, "a"]``, ``None``, ``[1, [2]]``: the error
+            names the sample and the element; flexpack does not tokenize), or ``pad_id`` is not
+            an int.
+        ValueError: a token id or ``pad_id`` past int64, or what :func:`flexpack.pack` rejects.
+
     Example:
         >>> batch = pack_sequences([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]},
         ...                         [4, 5]], max_len=6, strategy="greedy")
@@ -328,6 +393,7 @@ def pack_sequences(
     """
     from flexpack.packing import pack
 
+    _check_pad_id(pad_id)  # before the packing work
     try:
         n = len(sequences)
     except TypeError:

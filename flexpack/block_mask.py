@@ -41,6 +41,7 @@ __all__ = [
     "classify_padding",
     "classify_prefix_lm",
     "classify_sliding_window",
+    "classify_tree",
     "combine_and",
     "combine_not",
     "combine_or",
@@ -120,6 +121,9 @@ class _BlockStats:
     def __init__(self, doc_ids: Tensor, block_size: int) -> None:
         B, S = doc_ids.shape
         nb = _num_blocks(S, block_size)
+        # One block covers the whole row when block_size >= S: its statistics are over S
+        # tokens, so memory follows S and not block_size (block_size=2**40 is fine).
+        block_size = min(block_size, S)
         tail = nb * block_size - S
         d = _narrow(doc_ids)
         real = d >= 0
@@ -308,9 +312,10 @@ def classify_prefix_lm(doc_ids: Tensor, in_prefix: Tensor, block_size: int) -> T
     # Diagonal: non-empty iff the block holds a real token (the pair (t, t)). Full iff one
     # document, no padding, and every token but the block's first in the prefix (those are
     # the keys some query of the block sees ahead of itself).
+    width = min(block_size, S)  # in-range tokens per block when one block covers the row
     block_start = (torch.arange(S, device=doc_ids.device) % block_size) == 0
-    ok = torch.nn.functional.pad(in_prefix | block_start, (0, nb * block_size - S), value=True)
-    diag_full = stats.single & stats.all_real & ok.view(B, nb, block_size).all(-1)
+    ok = torch.nn.functional.pad(in_prefix | block_start, (0, nb * width - S), value=True)
+    diag_full = stats.single & stats.all_real & ok.view(B, nb, width).all(-1)
     diag = _classes(stats.any_real, diag_full)
     out[:, i, i] = diag
     return out
@@ -636,3 +641,61 @@ def build_block_mask(
         BLOCK_SIZE=(block_size, block_size),
         mask_mod=mask_mod,
     )
+
+
+def classify_tree(segment_ids: Tensor, ends: Tensor, block_size: int) -> Tensor:
+    """Classes of the prefix-tree mask, exact, from per-block statistics: O(S + B * nb^2).
+
+    Segments are numbered 0..n-1 depth-first and laid out in order, so the subtree of segment s
+    is the run s..ends[s] - 1 and the pair (q, kv) is allowed iff ``kv <= q`` and
+    ``seg[kv] <= seg[q] < ends[seg[kv]]``. For a key block j before a query block i every key
+    precedes every query, so the block is non-empty iff its smallest query segment lies below
+    the largest subtree end among its keys, and full iff both blocks are free of padding and
+    its largest query segment lies below the smallest subtree end among its keys. A diagonal
+    block holds (t, t) for each real t and is full only when it holds one position; blocks
+    after the diagonal are empty.
+
+    Args:
+        segment_ids: (B, S) integer, 0..n-1 in contiguous depth-first order per row, negative
+            for padding (as ``flexpack.masks.tree`` validates).
+        ends: (B, M + 1) integer subtree ends: segment s's subtree is s..ends[b, s] - 1.
+        block_size: tokens per block.
+
+    Returns:
+        (B, nb, nb) int8 classes, nb = ceil(S / block_size).
+
+    Example:
+        >>> seg = torch.tensor([[0, 0, 1, 1, 2, 2]])  # a root with two children
+        >>> classify_tree(seg, torch.tensor([[3, 2, 3, -1]]), 2)
+        tensor([[[1, 0, 0],
+                 [2, 1, 0],
+                 [2, 0, 1]]], dtype=torch.int8)
+    """
+    B, S = segment_ids.shape
+    nb = _num_blocks(S, block_size)
+    stats = _BlockStats(segment_ids, block_size)
+    seg = segment_ids.to(torch.int64)
+    real = seg >= 0
+    W = ends.shape[1]
+    tok_end = torch.gather(ends.to(torch.int64), 1, torch.where(real, seg, W - 1))  # (B, S)
+    big = torch.iinfo(torch.int64).max
+    tail = nb * block_size - S
+    pad = (0, tail)
+    hi_end = torch.nn.functional.pad(torch.where(real, tok_end, -1), pad, value=-1)
+    lo_end = torch.nn.functional.pad(torch.where(real, tok_end, big), pad, value=big)
+    max_end = hi_end.view(B, nb, block_size).amax(-1)  # (B, nb) over the key block
+    min_end = lo_end.view(B, nb, block_size).amin(-1)
+    both = stats.any_real[:, :, None] & stats.any_real[:, None, :]  # (B, nq, nk)
+    nonempty = both & (stats.lo.to(torch.int64)[:, :, None] < max_end[:, None, :])
+    full = (
+        both
+        & (stats.all_real[:, :, None] & stats.all_real[:, None, :])
+        & (stats.hi.to(torch.int64)[:, :, None] < min_end[:, None, :])
+    )
+    i = torch.arange(nb, device=segment_ids.device)
+    lower = i[:, None] > i[None, :]
+    out = torch.where(lower, _classes(nonempty, full), EMPTY).to(torch.int8)
+    width = torch.clamp(S - i * block_size, max=block_size)  # in-range positions per block
+    diag_full = stats.all_real & (width == 1)
+    out[:, i, i] = _classes(stats.any_real, diag_full)
+    return out

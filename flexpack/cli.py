@@ -1,9 +1,15 @@
 """The ``flexpack`` command line: ``pack``, ``stats`` and ``demo``.
 
 ``flexpack pack INPUT --max-len N --out OUT.parquet`` packs token-id sequences read from JSONL
-(one ``{"input_ids": [...]}`` object per line) or Parquet (a list column) into rows and writes them
-as Parquet with the columns ``input_ids``, ``labels``, ``doc_ids`` and ``position_ids``.
-``flexpack stats INPUT --max-len N`` prints what every strategy would give, writing nothing.
+(one ``{"input_ids": [...]}`` object, or one bare ``[...]`` list, per line) or Parquet (a list
+column) into rows and writes them as Parquet with the columns ``input_ids``, ``labels``,
+``doc_ids`` and ``position_ids``. ``flexpack stats INPUT --max-len N`` prints what every strategy
+would give, writing nothing. ``flexpack demo`` packs a bundled corpus and checks packed ==
+per-document on a small GPT.
+
+Only the standard library loads at import: ``--help`` and argument errors are instant, numpy and
+torch load when a command runs. Every bad argument is a usage error (exit status 2, no
+traceback); optional dependencies are checked before any input is read.
 """
 
 from __future__ import annotations
@@ -11,21 +17,33 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
+import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+from flexpack._choices import OVERFLOWS, STRATEGIES
 
-from flexpack.packing import OVERFLOWS, STRATEGIES, PackPlan, PackStats, pack
+if TYPE_CHECKING:
+    import numpy as np
+
+    from flexpack.packing import PackPlan, PackStats
 
 _ROWS_PER_CHUNK = 1024
+_INT64 = (-(2**63), 2**63 - 1)
+_INSTALL = "pip install 'flexpack[cli]'"
+_TOKENIZE_HINT = (
+    "flexpack packs token ids and does not tokenize. Tokenize first, e.g. with transformers: "
+    "tok = AutoTokenizer.from_pretrained(NAME); then write one "
+    "json.dumps({'input_ids': tok(record['text'])['input_ids']}) line per record"
+)
 
 
 class CliError(Exception):
-    """A user error: printed as ``flexpack: error: ...`` with exit status 2."""
+    """A user error: printed as ``flexpack CMD: error: ...`` with exit status 2."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,8 @@ class _Samples:
 
     @property
     def lengths(self) -> np.ndarray:
+        import numpy as np
+
         return np.diff(self.offsets)
 
 
@@ -61,24 +81,62 @@ def _progress(total: int | None, desc: str, enabled: bool, unit: str = "it") -> 
     return _Null()
 
 
+# Library messages name Python arguments; on the command line they are flags.
+_FLAG_WORDS = [
+    (re.compile(r"\boverflow='(\w+)'"), r"--overflow \1"),
+    (re.compile(r"\bstrategy='(\w+)'"), r"--strategy \1"),
+    (re.compile(r"\bmax_len=(\d+)"), r"--max-len \1"),
+    (re.compile(r"\bmax_docs_per_row\b"), "--max-docs-per-row"),
+    (re.compile(r"\bpad_id\b"), "--pad-id"),
+    (re.compile(r"\bnum_docs\b"), "--docs"),
+    (re.compile(r"\bmax_len\b"), "--max-len"),
+]
+
+
+def _cli_words(message: str) -> str:
+    """``overflow='split'`` -> ``--overflow split``, ``max_len`` -> ``--max-len``, ..."""
+    for pattern, repl in _FLAG_WORDS:
+        message = pattern.sub(repl, message)
+    return message
+
+
 def _read_jsonl(path: Path, column: str, labels_column: str | None, bar: bool) -> _Samples:
     ids_parts: list[list[int]] = []
     label_parts: list[list[int]] = []
     progress = _progress(path.stat().st_size, f"read {path.name}", bar, unit="B")
     with path.open("rb") as f:
-        for lineno, line in enumerate(f, 1):
-            progress.update(len(line))
+        for lineno, raw in enumerate(f, 1):
+            progress.update(len(raw))
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CliError(
+                    f"{path}:{lineno}: not UTF-8 text (byte {raw[e.start]:#04x} at column "
+                    f"{e.start + 1}); JSONL must be UTF-8, one JSON value per line"
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise CliError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if isinstance(record, list):  # a bare list of token ids
+                if labels_column is not None:
+                    raise CliError(
+                        f"{path}:{lineno}: a bare list has no {labels_column!r} field for "
+                        f'--labels-column; write objects: {{"{column}": [...], '
+                        f'"{labels_column}": [...]}}'
+                    )
+                ids_parts.append(record)
+                continue
             if not isinstance(record, dict) or column not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                hint = (
+                    f". {_TOKENIZE_HINT}" if isinstance(record, dict) and "text" in record else ""
+                )
                 raise CliError(
                     f"{path}:{lineno}: no {column!r} field (found {keys}); pick the token column "
-                    "with --column"
+                    f"with --column, or write one bare list of token ids per line{hint}"
                 )
             ids_parts.append(record[column])
             if labels_column is not None:
@@ -90,6 +148,8 @@ def _read_jsonl(path: Path, column: str, labels_column: str | None, bar: bool) -
 
 
 def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Samples:
+    import numpy as np
+
     for parts in (ids_parts, label_parts or []):
         for k, p in enumerate(parts):
             # np.fromiter below would silently truncate floats (and read bools as 0/1): every
@@ -97,9 +157,10 @@ def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Sampl
             kinds = set(map(type, p)) if isinstance(p, list) else set()
             if not isinstance(p, list) or kinds - {int}:
                 got = ", ".join(sorted(t.__name__ for t in kinds - {int}))
+                hint = f". {_TOKENIZE_HINT}" if isinstance(p, str) or str in kinds else ""
                 raise CliError(
                     f"{where}: sample {k} must be a list of integer token ids; got "
-                    f"{type(p).__name__}{' with ' + got if got else ''}"
+                    f"{type(p).__name__}{' with ' + got if got else ''}{hint}"
                 )
     lengths = np.fromiter((len(p) for p in ids_parts), np.int64, len(ids_parts))
     offsets = np.zeros(len(ids_parts) + 1, dtype=np.int64)
@@ -112,12 +173,16 @@ def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Sampl
                 raise CliError(f"{where}: a sample's labels and token ids differ in length")
             labels = np.fromiter(itertools.chain.from_iterable(label_parts), np.int64, ids.shape[0])
     except (TypeError, ValueError, OverflowError) as e:
-        raise CliError(f"{where}: token ids must be lists of integers ({e})") from None
+        raise CliError(
+            f"{where}: token ids must be lists of integers that fit int64 ({e})"
+        ) from None
     return _Samples(ids, offsets, labels)
 
 
 def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Samples:
-    pq = _import_pyarrow_parquet()
+    import numpy as np
+
+    pq = _import_pyarrow_parquet("reading Parquet")
     import pyarrow as pa
 
     try:
@@ -133,13 +198,23 @@ def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Sample
     def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
         col = table.column(name).combine_chunks()
         if not hasattr(col, "offsets") or not pa.types.is_integer(col.type.value_type):
+            hint = f" {_TOKENIZE_HINT}" if pa.types.is_string(col.type) else ""
             raise CliError(
                 f"{path}: column {name!r} must be a list of integer token ids; got {col.type}. "
-                "Tokenize it, or cast it to list<int64>."
+                f"Tokenize it, or cast it to list<int64>.{hint}"
             )
+        if col.null_count:
+            row = col.is_null().to_numpy(zero_copy_only=False).argmax()
+            raise CliError(f"{path}: row {row} of column {name!r} is null; drop or fill it")
         offsets = col.offsets.to_numpy().astype(np.int64)
-        values = col.values.to_numpy(zero_copy_only=False)
-        values = values[offsets[0] : offsets[-1]].astype(np.int64, copy=False)
+        values = col.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        if values.null_count:
+            at = int(values.is_null().to_numpy(zero_copy_only=False).argmax()) + offsets[0]
+            row = int(np.searchsorted(offsets, at, side="right")) - 1
+            raise CliError(
+                f"{path}: row {row} of column {name!r} holds a null token id; drop or fill it"
+            )
+        values = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
         return values, offsets - offsets[0]
 
     ids, offsets = flat(column)
@@ -151,34 +226,73 @@ def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Sample
     return _Samples(ids, offsets, labels)
 
 
-def _import_pyarrow_parquet() -> Any:
+def _import_pyarrow_parquet(why: str) -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise CliError(
-            "Parquet needs pyarrow: pip install 'flexpack[io]' (or pip install pyarrow)"
-        ) from None
+        raise CliError(f"{why} needs pyarrow: {_INSTALL} (or pip install pyarrow)") from None
     return pq
 
 
-def _read(path: str, column: str, labels_column: str | None, bar: bool) -> _Samples:
+def _check_input(path: str) -> Path:
+    """The input file, its format known and its reader's dependencies installed."""
     p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{path} is a directory; pass a .jsonl or .parquet file")
     if not p.is_file():
         raise CliError(f"{path}: no such file")
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".json", ".ndjson"):
-        return _read_jsonl(p, column, labels_column, bar)
     if suffix in (".parquet", ".pq"):
+        _import_pyarrow_parquet(f"reading {p.name}")
+    elif suffix not in (".jsonl", ".json", ".ndjson"):
+        raise CliError(f"{path}: unknown format {suffix!r}; expected .jsonl or .parquet")
+    if not os.access(p, os.R_OK):
+        raise CliError(f"{path}: not readable (permission denied)")
+    return p
+
+
+def _read(path: str, column: str, labels_column: str | None, bar: bool) -> _Samples:
+    p = _check_input(path)
+    if p.suffix.lower() in (".parquet", ".pq"):
         return _read_parquet(p, column, labels_column)
-    raise CliError(f"{path}: unknown format {suffix!r}; expected .jsonl or .parquet")
+    return _read_jsonl(p, column, labels_column, bar)
+
+
+def _writable_file(path: str, flag: str) -> str:
+    """Refuse an output path that is a directory or whose folder cannot be created or written."""
+    p = Path(path)
+    if p.is_dir():
+        raise CliError(f"{flag} {path} is a directory; give a file name, e.g. {p / 'out'}")
+    _writable_folder(p.parent, f"{flag} {path}")
+    if p.exists() and not os.access(p, os.W_OK):
+        raise CliError(f"{flag} {path}: the file exists and is not writable")
+    return path
+
+
+def _writable_folder(folder: Path, what: str) -> None:
+    if folder.exists() and not folder.is_dir():
+        raise CliError(f"{what}: {folder} is a file, not a folder")
+    existing = folder
+    while not existing.exists():  # the folder is created later: its nearest existing parent
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        raise CliError(f"{what}: cannot write in {existing} (permission denied)")
+
+
+def _check_plot_deps() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError(f"--plot needs matplotlib: {_INSTALL} (or pip install matplotlib)") from None
 
 
 def _write_parquet(plan: PackPlan, samples: _Samples, out: str, pad_id: int, bar: bool) -> None:
+    import numpy as np
     import pyarrow as pa
 
     from flexpack.batch import _assemble
 
-    pq = _import_pyarrow_parquet()
+    pq = _import_pyarrow_parquet("writing Parquet")
     max_len = plan.max_len
     schema = pa.schema(
         [
@@ -215,13 +329,12 @@ def _write_parquet(plan: PackPlan, samples: _Samples, out: str, pad_id: int, bar
 
 
 def _plot(plan: PackPlan, lengths: np.ndarray, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise CliError("--plot needs matplotlib: pip install 'flexpack[viz]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.hist(lengths, bins=min(100, max(10, int(np.sqrt(lengths.size)))), color="tab:blue")
     left.axvline(plan.max_len, color="tab:red", ls="--", label=f"max_len={plan.max_len}")
@@ -258,11 +371,37 @@ def _summary(stats: PackStats, timings: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def _check_overflow(lengths: np.ndarray, max_len: int, overflow: str, strategy: str) -> None:
+    """The pack error for too-long samples, worded for the command line."""
+    long = lengths > max_len
+    if overflow == "error" and strategy != "wrap" and bool(long.any()):
+        raise CliError(
+            f"{int(long.sum()):,} of {lengths.size:,} samples are longer than --max-len "
+            f"{max_len} (longest {int(lengths.max()):,} tokens, first: sample {int(long.argmax())})"
+            ". Pass --overflow split (cut them into --max-len pieces, each its own document), "
+            "--overflow truncate, --overflow drop, or raise --max-len."
+        )
+
+
+def _load_packer(strategy: str) -> float:
+    """Seconds of the one-time load (and, on a fresh install, compile) of a strategy's kernels."""
+    from flexpack.packing import pack
+
+    t = time.perf_counter()
+    pack([1], 1, strategy=strategy)
+    return time.perf_counter() - t
+
+
 def _cmd_pack(args: argparse.Namespace) -> int:
+    from flexpack.packing import pack
+
     bar = not args.quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
     samples = _read(args.input, args.column, args.labels_column, bar)
+    _check_overflow(samples.lengths, args.max_len, args.overflow, args.strategy)
     t1 = time.perf_counter()
+    load = _load_packer(args.strategy)
+    t2 = time.perf_counter()
     plan = pack(
         samples.lengths,
         args.max_len,
@@ -271,106 +410,249 @@ def _cmd_pack(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_docs_per_row=args.max_docs_per_row,
     )
-    t2 = time.perf_counter()
-    _write_parquet(plan, samples, args.out, args.pad_id, bar)
     t3 = time.perf_counter()
+    _write_parquet(plan, samples, args.out, args.pad_id, bar)
+    t4 = time.perf_counter()
     if args.plot:
         _plot(plan, samples.lengths, args.plot)
     if not args.quiet:
-        print(_summary(plan.stats, {"read": t1 - t0, "pack": t2 - t1, "write": t3 - t2}))
-        print(f"wrote       {args.out}" + (f" and {args.plot}" if args.plot else ""))
+        timings = {"read": t1 - t0, "packer load (once)": load, "pack": t3 - t2, "write": t4 - t3}
+        print(_summary(plan.stats, timings))
+        wrote = [str(Path(args.out).resolve())]
+        wrote += [str(Path(args.plot).resolve())] if args.plot else []
+        print("wrote       " + " and ".join(wrote))
     return 0
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
+    from flexpack.packing import pack
+
     samples = _read(args.input, args.column, None, not args.quiet and sys.stderr.isatty())
     lengths = samples.lengths
-    header = (
-        f"{'strategy':<8} {'rows':>10} {'lower bound':>11} {'over':>8} {'efficiency':>10} "
-        f"{'docs/row':>8} {'truncated':>10} {'dropped':>10} {'seconds':>8}"
-    )
-    print(
-        f"{lengths.size:,} samples, {int(lengths.sum()):,} tokens, max_len {args.max_len}, "
-        f"overflow {args.overflow!r}, {int((lengths > args.max_len).sum()):,} samples too long"
-    )
-    print(header)
-    for strategy in STRATEGIES:
+    t = time.perf_counter()
+    from flexpack import _kernels  # noqa: F401  (numba and the kernel module, shared by all)
+
+    loads, lines = {"kernel module import": time.perf_counter() - t}, []
+    for strategy in STRATEGIES:  # all of it first: nothing is printed if one fails
+        if strategy != "wrap":
+            _check_overflow(lengths, args.max_len, args.overflow, strategy)
+        loads[strategy] = _load_packer(strategy)
         t = time.perf_counter()
         stats = pack(lengths, args.max_len, strategy=strategy, overflow=args.overflow).stats
         dt = time.perf_counter() - t
-        print(
+        lines.append(
             f"{strategy:<8} {stats.rows:>10,} {stats.lower_bound_rows:>11,} "
             f"{stats.over_lower_bound:>+8.2%} {stats.efficiency:>10.2%} "
             f"{stats.docs_per_row.mean:>8.2f} {stats.truncated:>10,} {stats.dropped:>10,} "
             f"{dt:>8.3f}"
         )
+    print(
+        f"{lengths.size:,} samples, {int(lengths.sum()):,} tokens, --max-len {args.max_len}, "
+        f"--overflow {args.overflow}, {int((lengths > args.max_len).sum()):,} samples too long"
+    )
+    print(
+        f"{'strategy':<8} {'rows':>10} {'lower bound':>11} {'over':>8} {'efficiency':>10} "
+        f"{'docs/row':>8} {'truncated':>10} {'dropped':>10} {'pack s':>8}"
+    )
+    print("\n".join(lines))
+    print(
+        "pack s: packing alone. Loading the compiled packers once per process (compiling them "
+        "on a fresh install) took "
+        + ", ".join(f"{k} {v:.2f} s" for k, v in loads.items())
+        + ", not included."
+    )
     return 0
 
 
+# ----------------------------------------------------------------------------- arguments
+
+
+def _int_type(lo: int, hi: int, what: str) -> Any:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text}")
+        return value
+
+    parse.__name__ = what  # argparse names the type in some messages
+    return parse
+
+
+_POSITIVE = _int_type(1, _INT64[1], "a positive integer")
+_SEED = _int_type(0, _INT64[1], "a non-negative integer")
+_TOKEN_ID = _int_type(*_INT64, "an integer token id that fits int64")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the help (except None and False, said in words), descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+_DESCRIPTION = """\
+Pack variable-length token sequences into fixed-length rows for training.
+
+  flexpack pack data.jsonl --max-len 2048 --out packed.parquet
+  flexpack stats data.jsonl --max-len 2048
+  flexpack demo
+
+Input: JSONL with one {"input_ids": [...]} object (or one bare [...] list) of token ids per line,
+or Parquet with a list<int> column. flexpack does not tokenize: write token ids first.
+pack and the Parquet input need pyarrow, --plot needs matplotlib: pip install 'flexpack[cli]'.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flexpack", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="flexpack", description=_DESCRIPTION, formatter_class=_Formatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("input", help="token ids: .jsonl (one JSON object per line) or .parquet")
-        p.add_argument("--max-len", type=int, required=True, help="tokens per packed row")
-        p.add_argument("--column", default="input_ids", help="field holding the token ids")
+        p.add_argument("input", help="token ids: .jsonl (one JSON value per line) or .parquet")
+        p.add_argument(
+            "--max-len", type=_POSITIVE, required=True, help="tokens per packed row (required)"
+        )
+        p.add_argument("--column", default="input_ids", help="field or column with the token ids")
         p.add_argument(
             "--overflow",
             choices=OVERFLOWS,
             default="error",
-            help="samples longer than --max-len: error (default), split, truncate or drop",
+            help="what to do with samples longer than --max-len: stop with an error, split them "
+            "into --max-len pieces (each its own document), truncate or drop them",
         )
         p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or summary")
 
-    p_pack = sub.add_parser("pack", help="pack token sequences into rows, write Parquet")
+    kw = dict(formatter_class=_Formatter)
+    p_pack = sub.add_parser("pack", help="pack token sequences into rows, write Parquet", **kw)
     common(p_pack)
-    p_pack.add_argument("--out", required=True, help="Parquet file to write")
-    p_pack.add_argument("--strategy", choices=STRATEGIES, default="bfd")
-    p_pack.add_argument("--labels-column", default=None, help="field with per-sample labels")
-    p_pack.add_argument("--seed", type=int, default=0, help="seed of the row order (bfd, ffd)")
-    p_pack.add_argument("--max-docs-per-row", type=int, default=None)
-    p_pack.add_argument("--pad-id", type=int, default=0, help="token id on padding")
-    p_pack.add_argument("--plot", default=None, help="also save a PNG of lengths and row fill")
+    p_pack.add_argument("--out", required=True, help="Parquet file to write (required)")
+    p_pack.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="bfd",
+        help="bfd: best-fit decreasing; ffd: first-fit decreasing; greedy: next-fit in input "
+        "order; wrap: concatenate and cut at row ends",
+    )
+    p_pack.add_argument(
+        "--labels-column", default=None, help="field with per-sample labels (default: none)"
+    )
+    p_pack.add_argument(
+        "--seed", type=_SEED, default=0, help="seed of the row order of bfd and ffd"
+    )
+    p_pack.add_argument(
+        "--max-docs-per-row",
+        type=_POSITIVE,
+        default=None,
+        help="most documents in one row (default: no limit)",
+    )
+    p_pack.add_argument("--pad-id", type=_TOKEN_ID, default=0, help="token id written on padding")
+    p_pack.add_argument(
+        "--plot", default=None, help="also save a PNG of sample lengths and row fill to this path"
+    )
 
-    p_stats = sub.add_parser("stats", help="print what each strategy would give; write nothing")
+    p_stats = sub.add_parser(
+        "stats", help="print what each strategy would give; write nothing", **kw
+    )
     common(p_stats)
 
-    demo = sub.add_parser("demo", help="pack the bundled corpus and prove packed == per-document")
+    sub.add_parser(
+        "litgpt-finetune",
+        help="fine-tune a LitGPT checkpoint on packed rows, as `litgpt finetune_full` does "
+        "(needs flexpack[litgpt] in its own venv; `flexpack litgpt-finetune --help` lists the "
+        "options; docs/litgpt.md)",
+        add_help=False,
+        **kw,
+    )
+    demo = sub.add_parser(
+        "demo", help="pack the bundled corpus and check packed == per-document", **kw
+    )
     demo.add_argument("--out", default="flexpack-demo", help="folder for the PNGs it writes")
-    demo.add_argument("--max-len", type=int, default=1024, help="tokens per packed row")
-    demo.add_argument("--docs", type=int, default=None, help="use only the first N documents")
+    demo.add_argument(
+        "--max-len",
+        type=_POSITIVE,
+        default=1024,
+        help="tokens per packed row; longer documents are split into pieces",
+    )
+    demo.add_argument(
+        "--docs",
+        type=_POSITIVE,
+        default=None,
+        help="use only the first N documents (default: all 601)",
+    )
     return parser
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[command]
+    return parser
+
+
+def _litgpt_finetune(argv: list[str]) -> int:
+    """``flexpack litgpt-finetune ...``: the LitGPT entry point, its options unchanged."""
+    try:
+        from flexpack.integrations.litgpt import main as litgpt_main
+    except ImportError as e:
+        print(f"flexpack litgpt-finetune: error: {e}", file=sys.stderr)
+        return 2
+    return litgpt_main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     r"""Run the ``flexpack`` command line; returns the exit status (2 on a user error).
 
+    Bad arguments exit through argparse (``SystemExit(2)`` with the usage line); bad input files
+    print ``flexpack CMD: error: ...`` and return 2. Neither shows a traceback.
+
     Example:
         >>> import os, tempfile
         >>> path = os.path.join(tempfile.mkdtemp(), "data.jsonl")
         >>> with open(path, "w") as f:
-        ...     _ = f.write('{"input_ids": [1, 2, 3]}\n{"input_ids": [4, 5]}\n')
+        ...     _ = f.write('{"input_ids": [1, 2, 3]}\n[4, 5]\n')
         >>> main(["stats", path, "--max-len", "8"])
-        2 samples, 5 tokens, max_len 8, overflow 'error', 0 samples too long
+        2 samples, 5 tokens, --max-len 8, --overflow error, 0 samples too long
         strategy ...
         bfd               1           1   +0.00%     62.50%     2.00 ...
         0
     """
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from flexpack.demo import main as demo_main
-
-        return demo_main(out=args.out, max_len=args.max_len, num_docs=args.docs)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["litgpt-finetune"]:
+        return _litgpt_finetune(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    sub = _subparser(parser, args.command)
+    try:  # values that argparse cannot check alone: paths and installed extras
+        if args.command in ("pack", "stats"):
+            _check_input(args.input)
+        if args.command == "pack":
+            _writable_file(args.out, "--out")
+            _import_pyarrow_parquet("flexpack pack writes Parquet, which")
+            if args.plot:
+                _writable_file(args.plot, "--plot")
+                _check_plot_deps()
+        elif args.command == "demo":
+            _writable_folder(Path(args.out), f"--out {args.out}")
+    except CliError as e:
+        sub.error(str(e))  # usage line, message, exit status 2
     try:
+        if args.command == "demo":
+            from flexpack.demo import main as demo_main
+
+            return demo_main(out=args.out, max_len=args.max_len, num_docs=args.docs)
         if args.command == "pack":
             return _cmd_pack(args)
-        if args.command == "stats":
-            return _cmd_stats(args)
+        return _cmd_stats(args)
     except (CliError, ValueError, TypeError) as e:
-        print(f"flexpack {args.command}: error: {e}", file=sys.stderr)
+        print(f"flexpack {args.command}: error: {_cli_words(str(e))}", file=sys.stderr)
         return 2
-    return 2
 
 
 if __name__ == "__main__":

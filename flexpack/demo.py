@@ -5,18 +5,26 @@
    bytes, so nothing is downloaded.
 2. Packs it into rows of ``max_len`` with ``flexpack.pack`` and prints the rows, efficiency and
    padding against padding every document to ``max_len`` and against padding each batch to its
-   longest document.
+   longest document. Documents longer than ``max_len`` are split into ``max_len`` pieces, each its
+   own document (the demo says how many).
 3. Runs the reference GPT (``flexpack.models.GPT``, random weights, fp32, CPU) on the packed rows
    with the document-causal mask, and on every document alone; prints the largest absolute logit
    difference (the exit code is 1 if it exceeds ``tolerance``), then the tokens/s of packed rows
-   against padded rows over the same real tokens.
-4. Writes a PNG of the mask of one packed row (matplotlib, optional extra ``viz``).
+   against padded rows over the same real tokens: interleaved chunks, the gain is the median of
+   the per-chunk ratios, so a change in the machine's load does not swing it.
+4. Writes a PNG of the mask of one packed row (matplotlib, optional extra ``viz``) and prints
+   where.
+
+Slow steps print what they do first and show a progress bar when tqdm is installed and stderr
+is a terminal. Settings that would run for many minutes (``max_len`` so small that the documents
+fall into thousands of pieces, each checked alone) are refused up front.
 """
 
 from __future__ import annotations
 
 import json
-import math
+import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +35,9 @@ from torch import Tensor
 from flexpack.layout import PackedLayout
 
 CORPUS = Path(__file__).with_name("assets") / "corpus.jsonl"
+# Each piece also runs alone through the model (the proof): past this many the demo takes minutes.
+MAX_PIECES = 2500
+_TIMED_ROWS = 64  # packed rows whose documents are timed, both ways
 
 __all__ = ["load_corpus", "main", "tokenize_bytes"]
 
@@ -53,16 +64,6 @@ def tokenize_bytes(text: str) -> Tensor:
     return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
 
 
-@dataclass(frozen=True)
-class _Timing:
-    seconds: float
-    tokens: int
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-
 def _padded_rows(docs: list[Tensor], max_len: int) -> Tensor:
     """(N, max_len) int64: every document in its own row, right-padded with 0."""
     rows = torch.zeros(len(docs), max_len, dtype=torch.long)
@@ -71,28 +72,50 @@ def _padded_rows(docs: list[Tensor], max_len: int) -> Tensor:
     return rows
 
 
-def _time_forwards(model, layouts: dict[str, list[dict]], *, repeats: int, chunks: int = 8):
-    """Seconds each layout takes to run the model over all of its batches.
+def _progress(iterable, total: int, desc: str):
+    """``iterable`` with a tqdm bar on a terminal when tqdm is installed, else as it is."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, leave=False, disable=None, file=sys.stderr)
 
-    The layouts are timed in interleaved chunks (a slice of each in turn), so that a change in the
-    machine's load hits them all alike; best of ``repeats`` per chunk. One warm-up batch each
-    first (it compiles flex_attention once on CPU).
+
+@dataclass(frozen=True)
+class _Speed:
+    seconds: dict[str, float]  # median over repeats of each layout's time over all its batches
+    gain: float  # median over repeats of (first layout's time) / (last layout's time)
+
+
+def _time_forwards(
+    model, layouts: dict[str, list[dict]], *, repeats: int, chunks: int = 8
+) -> _Speed:
+    """Time the model over every batch of each layout, robustly against the machine's load.
+
+    Each repeat times every layout in interleaved chunks (a slice of each in turn, the order
+    alternating), so that a change in load hits them all alike; the result is the median over
+    the repeats, of the times and of the ratio, so one disturbed repeat does not move it. One
+    warm-up batch each first (it compiles flex_attention once on CPU).
     """
-    seconds = dict.fromkeys(layouts, 0.0)
+    names = list(layouts)
+    totals: dict[str, list[float]] = {name: [] for name in names}
     with torch.no_grad():
         for batches in layouts.values():
             model(**batches[0])
-        for c in range(chunks):
-            for name, batches in layouts.items():
-                part = batches[c * len(batches) // chunks : (c + 1) * len(batches) // chunks]
-                best = math.inf
-                for _ in range(repeats):
+        for r in _progress(range(repeats), repeats, "timing"):
+            spent = dict.fromkeys(names, 0.0)
+            for c in range(chunks):
+                for name in names if (r + c) % 2 == 0 else names[::-1]:
+                    batches = layouts[name]
+                    part = batches[c * len(batches) // chunks : (c + 1) * len(batches) // chunks]
                     start = time.perf_counter()
                     for kwargs in part:
                         model(**kwargs)
-                    best = min(best, time.perf_counter() - start)
-                seconds[name] += best if part else 0.0
-    return seconds
+                    spent[name] += time.perf_counter() - start
+            for name in names:
+                totals[name].append(spent[name])
+    ratios = [a / b for a, b in zip(totals[names[0]], totals[names[-1]], strict=True)]
+    return _Speed({k: statistics.median(v) for k, v in totals.items()}, statistics.median(ratios))
 
 
 def _row_batches(n_rows: int, batch_rows: int) -> list[slice]:
@@ -129,8 +152,9 @@ def _write_mask_pngs(doc_ids: Tensor, out: Path) -> list[str]:
     )
     blocks = viz.plot_block_mask(block_mask, out / "block_mask.png")
     return [
-        f"wrote {element} (element mask of a row with {n_docs} documents)",
-        f"wrote {blocks} (its {block_mask.BLOCK_SIZE[0]}-token blocks: skipped, partial, full)",
+        f"wrote {Path(element).resolve()} (element mask of a row with {n_docs} documents)",
+        f"wrote {Path(blocks).resolve()} (its {block_mask.BLOCK_SIZE[0]}-token blocks: skipped, "
+        "partial, full)",
     ]
 
 
@@ -142,7 +166,7 @@ def main(
     n_layer: int = 2,
     n_embd: int = 64,
     batch_rows: int = 8,
-    repeats: int = 1,
+    repeats: int = 3,
     tolerance: float = 1e-4,
     seed: int = 0,
 ) -> int:
@@ -155,13 +179,13 @@ def main(
         n_layer: layers of the reference GPT.
         n_embd: its width (4 query heads, 2 key/value heads).
         batch_rows: rows per forward call when timing.
-        repeats: timing repeats (best of).
+        repeats: timing repeats (the median is reported).
         tolerance: largest allowed absolute logit difference, packed vs alone.
         seed: seeds the packing order and the model weights.
 
     Raises:
-        ValueError: ``num_docs``, ``batch_rows`` or ``repeats`` is not a positive int, or
-            ``max_len`` is not (from ``flexpack.pack``).
+        ValueError: ``num_docs``, ``batch_rows``, ``repeats`` or ``max_len`` is not a positive
+            int, or ``max_len`` cuts the documents into more than ``MAX_PIECES`` (2,500) pieces.
 
     Example:
         >>> import tempfile
@@ -174,19 +198,42 @@ def main(
     import flexpack
     from flexpack.models import GPT, GPTConfig
 
-    for name, value in (("batch_rows", batch_rows), ("repeats", repeats), ("num_docs", num_docs)):
-        if value is not None and (not isinstance(value, int) or value < 1):
+    settings = (("batch_rows", batch_rows), ("repeats", repeats), ("num_docs", num_docs))
+    for name, value in (*settings, ("max_len", max_len)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     started = time.perf_counter()
     torch.manual_seed(seed)
     texts = load_corpus()[:num_docs]
     samples = [tokenize_bytes(t) for t in texts]
     lengths = [len(s) for s in samples]
+    n_pieces = sum(-(-n // max_len) for n in lengths)
+    if n_pieces > MAX_PIECES:
+        enough = next(
+            m
+            for m in (2**k for k in range(4, 16))
+            if sum(-(-n // m) for n in lengths) <= MAX_PIECES
+        )
+        raise ValueError(
+            f"max_len={max_len} cuts the {len(texts)} documents into {n_pieces:,} pieces, and "
+            f"each piece is also run alone to check the packed rows: more than the demo's "
+            f"{MAX_PIECES:,} (it would run for many minutes). Use max_len >= {enough}, or "
+            "fewer documents (num_docs)."
+        )
     n_bytes = sum(lengths)
     print(
         f"flexpack demo: {len(texts)} documents of real prose (CPython docstrings, PSF license), "
         f"{n_bytes:,} byte tokens, lengths {min(lengths)}..{max(lengths)}, rows of {max_len}"
     )
+    n_long = sum(n > max_len for n in lengths)
+    if n_long:
+        print(
+            f"{n_long} documents are longer than {max_len} tokens: each is split into pieces of "
+            f"at most {max_len} (overflow='split'), every piece its own document, so "
+            f"{len(texts)} documents become {n_pieces} pieces below"
+        )
 
     # -- packing -------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -229,9 +276,11 @@ def main(
         f"heads, {n_params / 1e6:.2f}M parameters, random weights), fp32, "
         f"torch threads={torch.get_num_threads()}"
     )
+    print(f"checking the packed rows against each of the {n} pieces run alone ...", flush=True)
     worst = 0.0
+    row_batches = _row_batches(plan.num_rows, batch_rows)
     with torch.no_grad():
-        for sl in _row_batches(plan.num_rows, batch_rows):
+        for sl in _progress(row_batches, len(row_batches), "checking"):
             logits = model(
                 batch.input_ids[sl], position_ids=layout.position_ids[sl], doc_ids=batch.doc_ids[sl]
             )
@@ -241,13 +290,18 @@ def main(
                     worst = max(worst, (logits[r - sl.start, a:b] - alone).abs().max().item())
     ok = worst <= tolerance
     print(
-        f"packed rows vs each of the {n} documents run alone: largest |logit difference| "
+        f"packed rows vs each of the {n} pieces run alone: largest |logit difference| "
         f"{worst:.2e} (tolerance {tolerance:.0e}) -> {'OK' if ok else 'MISMATCH'}"
     )
 
     # -- speed -----------------------------------------------------------------------------------
+    # Timed on the documents of the first rows only (the same documents both ways), so that the
+    # repeats that make the gain robust fit in the time of one pass over everything.
+    timed_rows = min(plan.num_rows, _TIMED_ROWS)
+    timed_docs = [d for d, (r, _, _) in zip(docs, spans, strict=True) if r < timed_rows]
+    timed_tokens = sum(len(d) for d in timed_docs)
     packed_batches = []
-    for sl in _row_batches(plan.num_rows, batch_rows):
+    for sl in _row_batches(timed_rows, batch_rows):
         ids, pos, doc = batch.input_ids[sl], layout.position_ids[sl], batch.doc_ids[sl]
         packed_batches.append(
             dict(
@@ -259,33 +313,35 @@ def main(
     # The padded baseline is the cheaper one: each batch padded to its longest document (causal
     # attention, so trailing padding never reaches a real token). Padding every row to max_len
     # would cost the slots of the first table line and only make packing look better.
-    padded = _padded_rows(docs, max_len)
+    padded = _padded_rows(timed_docs, max_len)
     dyn_batches = [
-        dict(input_ids=padded[sl, : max(len(d) for d in docs[sl])])
-        for sl in _row_batches(n, batch_rows)
+        dict(input_ids=padded[sl, : max(len(d) for d in timed_docs[sl])])
+        for sl in _row_batches(len(timed_docs), batch_rows)
     ]
+    padded_name = f"padded to longest of {batch_rows} (SDPA causal)"
     packed_name = "packed (flexpack.attention)"
-    timings = _time_forwards(
-        model,
-        {
-            f"padded to longest of {batch_rows} (SDPA causal)": dyn_batches,
-            packed_name: packed_batches,
-        },
-        repeats=repeats,
-    )
     print()
+    what = "all" if timed_rows == plan.num_rows else f"the {len(timed_docs)} pieces of the first"
     print(
-        f"forward over the same {n_bytes:,} real tokens, {batch_rows} rows per call, no grad "
-        "(layouts timed in interleaved chunks):"
+        f"timing forwards over {what} {timed_rows} packed rows ({timed_tokens:,} real tokens) "
+        f"both ways, {batch_rows} rows per call, no grad; median of {repeats} interleaved "
+        "repeats ...",
+        flush=True,
     )
-    packed_s = timings[packed_name]
-    for name, seconds in timings.items():
-        gain = "" if name == packed_name else f"   packed gains {seconds / packed_s:.2f}x"
-        print(f"  {name:<40}{seconds:>8.2f} s{n_bytes / seconds:>12,.0f} tokens/s{gain}")
+    speed = _time_forwards(
+        model, {padded_name: dyn_batches, packed_name: packed_batches}, repeats=repeats
+    )
+    for name, seconds in speed.seconds.items():
+        print(f"  {name:<40}{seconds:>8.2f} s{timed_tokens / seconds:>12,.0f} tokens/s")
+    if speed.gain >= 1:
+        print(f"-> packed is {speed.gain:.2f}x faster than padding each batch to its longest")
+    else:
+        print(f"-> packed is {1 / speed.gain:.2f}x slower than padding each batch to its longest")
 
     # -- picture ---------------------------------------------------------------------------------
     busiest = int(torch.as_tensor(layout.num_docs).argmax())
     print()
+    print(f"drawing the mask of row {busiest} into {Path(out).resolve()} ...", flush=True)
     for line in _write_mask_pngs(batch.doc_ids[busiest], Path(out)):
         print("mask: " + line)
     print(f"done in {time.perf_counter() - started:.1f} s")

@@ -15,8 +15,13 @@ view                  shape, dtype      meaning
 ``num_docs``          (B,) int64        documents per row
 ====================  ================  ==========================================================
 
-A *document* is a maximal run of equal, non-negative ``doc_ids`` within a row. Each constructor is
-named by its input and has an inverse view, so ``PackedLayout.from_X(layout.X) == layout``.
+A *document* is a maximal run of equal, non-negative ``doc_ids`` within a row, and each id names
+one run only: ``[0, 0, 1, 1, 0, 0]`` (id 0 twice, maybe one document, maybe two) is refused, as
+varlen kernels, ``position_ids`` and the masks could not agree on it. A layout stores its ids
+renumbered 0..n-1 per row (a copy of any ids it is given, whatever their integer dtype or size).
+Each constructor is named by its input and has an inverse view, so
+``PackedLayout.from_X(layout.X) == layout``. Past 2**31 - 1 real tokens ``cu_seqlens`` (int32, as
+flash-attn requires) cannot be built: that raises a ``ValueError``, it never wraps.
 """
 
 from __future__ import annotations
@@ -31,6 +36,63 @@ import torch
 from torch import Tensor
 
 __all__ = ["PackedLayout"]
+
+_INT32_MAX = 2**31 - 1
+
+
+def _check_int32_tokens(total: int) -> None:
+    """cu_seqlens are int32 (flash-attn's varlen API): refuse, never wrap, past 2**31 - 1."""
+    if total > _INT32_MAX:
+        raise ValueError(
+            f"the batch holds {total} real tokens but cu_seqlens are int32 (at most "
+            f"2**31 - 1 = {_INT32_MAX}, flash-attn's varlen format); split it into smaller "
+            "batches, e.g. layout rows in chunks."
+        )
+
+
+def _cu_seqlens_of(seqlens: np.ndarray) -> np.ndarray:
+    """(N + 1,) int32 cumulative ``seqlens`` (N,) from 0; ValueError past 2**31 - 1 tokens.
+
+    Example:
+        >>> _cu_seqlens_of(np.array([3, 2]))
+        array([0, 3, 5], dtype=int32)
+    """
+    cu = np.zeros(seqlens.shape[0] + 1, dtype=np.int64)
+    np.cumsum(seqlens, out=cu[1:])
+    _check_int32_tokens(int(cu[-1]))
+    return cu.astype(np.int32)
+
+
+def _canonical_doc_ids(d: Tensor) -> Tensor:
+    """(B, S) int32: the runs of ``d`` numbered 0..n-1 per row, -1 on padding (a new tensor).
+
+    Raises ValueError when an id names two separate runs of a row."""
+    if d.dtype == torch.uint64:  # no comparisons on uint64 tensors; via numpy (checks range)
+        d = _as_int_tensor(d.cpu().numpy(), "doc_ids").to(d.device)
+    elif d.dtype in (torch.uint16, torch.uint32):  # nor on these: int64 holds them all
+        d = d.to(torch.int64)
+    real = d >= 0
+    start = real.clone()
+    start[:, 1:] &= d[:, 1:] != d[:, :-1]
+    rows, cols = start.nonzero(as_tuple=True)  # one entry per run, row-major
+    if rows.numel() > 1:
+        ids = d[rows, cols].to(torch.int64)
+        order = torch.argsort(ids, stable=True)
+        order = order[torch.argsort(rows[order], stable=True)]  # by (row, id), then position
+        r, i = rows[order], ids[order]
+        dup = (r[1:] == r[:-1]) & (i[1:] == i[:-1])
+        if bool(dup.any()):
+            k = int(dup.nonzero()[0])
+            row, first, again = int(r[k]), int(cols[order[k]]), int(cols[order[k + 1]])
+            raise ValueError(
+                f"doc id {int(i[k])} names two separate runs of row {row} (at positions {first} "
+                f"and {again}, with other ids or padding between): a document must be one "
+                "contiguous run. Give each run its own id (e.g. number the runs 0..n-1), or, if "
+                "the runs are one document, make its tokens contiguous. Masks accept such ids "
+                "(equality semantics) but positions and cu_seqlens cannot describe them."
+            )
+    run = torch.cumsum(start, dim=1, dtype=torch.int32) - 1
+    return torch.where(real, run, torch.full_like(run, -1))
 
 
 class _Placement(NamedTuple):
@@ -63,6 +125,13 @@ def _placement(seqlens: np.ndarray, num_docs: np.ndarray, max_len: int) -> _Plac
 
 def _as_int_tensor(x, name: str) -> Tensor:
     if isinstance(x, np.ndarray):
+        if x.dtype == np.uint64:
+            if x.size and int(x.max()) > np.iinfo(np.int64).max:
+                raise ValueError(
+                    f"{name} holds {int(x.max())}, past int64; use ids below 2**63 (any smaller "
+                    "distinct integers name the same documents)."
+                )
+            x = x.astype(np.int64)
         x = torch.from_numpy(np.ascontiguousarray(x))
     if not isinstance(x, Tensor):
         try:
@@ -88,8 +157,12 @@ class PackedLayout:
     device on first use and cached.
 
     Args:
-        doc_ids: (B, S) int32 (any integer dtype is converted); tokens of one document share a
-            non-negative id and are contiguous within a row; -1 (any negative value) marks padding.
+        doc_ids: (B, S) integers of any dtype and size; tokens of one document share a
+            non-negative id and are contiguous within a row (an id names one run only); any
+            negative value marks padding. The layout keeps a copy renumbered 0..n-1 per row, int32.
+
+    Raises:
+        ValueError: not 2-D, or an id names two separate runs of a row.
 
     Example:
         >>> layout = PackedLayout.from_seqlens([[3, 2], [4]], max_len=6)
@@ -112,9 +185,14 @@ class PackedLayout:
                 f"doc_ids must be 2-D (B, S); got shape {tuple(d.shape)}. "
                 "Use doc_ids[None] for a single row."
             )
-        if d.dtype != torch.int32:
-            d = d.to(torch.int32)
-        object.__setattr__(self, "doc_ids", d)
+        object.__setattr__(self, "doc_ids", _canonical_doc_ids(d))
+
+    @classmethod
+    def _trusted(cls, doc_ids: Tensor) -> PackedLayout:
+        """A layout of canonical (B, S) int32 doc ids (0..n-1 per row, -1 padding): no checks."""
+        layout = object.__new__(cls)
+        object.__setattr__(layout, "doc_ids", doc_ids)
+        return layout
 
     # ------------------------------------------------------------------ constructors
     @classmethod
@@ -218,14 +296,13 @@ class PackedLayout:
         doc_ids (B * S,) int32, position_ids (B * S,) int64, seqlens (N,), num_docs (B,),
         indices (T,) int64 must describe the same canonical layout."""
         num_rows = num_docs.shape[0]
-        cu = np.zeros(seqlens.shape[0] + 1, dtype=np.int32)
-        np.cumsum(seqlens, out=cu[1:])
+        cu = _cu_seqlens_of(seqlens)
 
         def t(a: np.ndarray) -> Tensor:
             x = torch.from_numpy(a)
             return x if device is None else x.to(device)
 
-        layout = cls(t(doc_ids.reshape(num_rows, max_len)))
+        layout = cls._trusted(t(doc_ids.reshape(num_rows, max_len)))
         cache = layout.__dict__
         cache["position_ids"] = t(position_ids.reshape(num_rows, max_len))
         cache["seqlens"] = t(seqlens.astype(np.int32))
@@ -240,14 +317,19 @@ class PackedLayout:
         """The layout of given document ids.
 
         Args:
-            doc_ids: (B, S) or (S,) integers; a document is a run of equal non-negative ids in a
-                row, negative ids are padding. Values are kept as given (masks compare them).
+            doc_ids: (B, S) or (S,) integers of any size; a document is a run of equal
+                non-negative ids in a row, each id one run only; negative ids are padding. The
+                layout renumbers the runs 0..n-1 per row (the same documents, as masks see them).
+
+        Raises:
+            ValueError: an id names two separate runs of a row (``[0, 0, 1, 0]``).
 
         Inverse: :attr:`doc_ids`.
 
         Example:
-            >>> PackedLayout.from_doc_ids([[0, 0, 1, -1]]).seqlens
-            tensor([2, 1], dtype=torch.int32)
+            >>> layout = PackedLayout.from_doc_ids([[7, 7, 2**40, -5]])
+            >>> layout.doc_ids, layout.seqlens
+            (tensor([[ 0,  0,  1, -1]], dtype=torch.int32), tensor([2, 1], dtype=torch.int32))
         """
         d = _as_int_tensor(doc_ids, "doc_ids")
         if d.dim() == 1:
@@ -296,7 +378,7 @@ class PackedLayout:
         # A real token after padding starts a document even if its position is not 0.
         start[:, 1:] |= real[:, 1:] & ~real[:, :-1]
         doc = torch.cumsum(start.to(torch.int32), dim=1, dtype=torch.int32) - 1
-        return cls(torch.where(real, doc, torch.full_like(doc, -1)))
+        return cls._trusted(torch.where(real, doc, torch.full_like(doc, -1)))
 
     @classmethod
     def from_eos(cls, input_ids: Tensor | np.ndarray | Sequence, eos_id: int) -> PackedLayout:
@@ -378,7 +460,17 @@ class PackedLayout:
         if bool((lengths < 0).any()):
             raise ValueError("cu_seqlens must be non-decreasing; it is a cumulative sum of seqlens")
         total = int(cu[-1])
+        _check_int32_tokens(total)
         device = cu.device
+        if shape is not None and (
+            not isinstance(shape, Sequence)
+            or len(shape) != 2
+            or not all(isinstance(x, int | np.integer) and x >= 0 for x in shape)
+        ):
+            raise ValueError(
+                f"shape must be (B, S), two non-negative ints (rows, tokens per row); got "
+                f"{shape!r}. For one row of T tokens leave shape unset or pass (1, T)."
+            )
         if indices is None:
             if shape is None:
                 shape = (1, total)
@@ -422,7 +514,7 @@ class PackedLayout:
         first_doc = first_doc.scatter_reduce(0, row, doc, reduce="amin")
         flat = torch.full((num_rows * max_len,), -1, dtype=torch.int32, device=device)
         flat[idx] = (doc - first_doc[row]).to(torch.int32)
-        return cls(flat.reshape(num_rows, max_len))
+        return cls._trusted(flat.reshape(num_rows, max_len))
 
     # ------------------------------------------------------------------ views
     @property
@@ -460,6 +552,7 @@ class PackedLayout:
     @cached_property
     def cu_seqlens(self) -> Tensor:
         """(N + 1,) int32: document boundaries in the unpadded stream (flash-attn varlen)."""
+        _check_int32_tokens(self.indices.numel())
         starts = torch.nonzero(self._starts.reshape(-1)[self.indices]).reshape(-1)
         end = torch.tensor([self.indices.numel()], device=self.device)
         return torch.cat([starts, end]).to(torch.int32)
@@ -509,7 +602,7 @@ class PackedLayout:
             >>> PackedLayout.from_seqlens([[2, 1]]).to("cpu").cu_seqlens
             tensor([0, 2, 3], dtype=torch.int32)
         """
-        moved = PackedLayout(self.doc_ids.to(device, non_blocking=non_blocking))
+        moved = PackedLayout._trusted(self.doc_ids.to(device, non_blocking=non_blocking))
         for name, value in self.__dict__.items():
             if name == "doc_ids":
                 continue

@@ -8,8 +8,12 @@ at every (q, kv) pair as ``create_block_mask`` does. Masks compose with ``&``, `
 Shape legend:
     B: rows of the packed batch; S: tokens per row (queries and keys alike).
     doc_ids: (S,) or (B, S) integer tensor; any negative value marks padding, which attends to
-        nothing and is attended by nothing. (S,) is treated as (1, S).
+        nothing and is attended by nothing. (S,) is treated as (1, S). A mask keeps its own copy,
+        taken when it is built: every path (BlockMask, flex, SDPA, dense) reads that copy, so
+        changing the tensor afterwards changes no mask. Build a new mask for a new layout.
     prefix_lengths: (num_docs,) for (S,) doc ids, (B, max_docs) for (B, S) doc ids.
+    segment_ids, parents: the prefix-tree layout of :func:`tree`: (S,) or (B, S) segment of each
+        token (-1 on padding), and (n,) or (B, max_segments) parent of each segment (-1 a root).
 
 Example:
     >>> import torch
@@ -44,6 +48,7 @@ __all__ = [
     "prefix_lm",
     "prefix_lm_mask",
     "sliding_window",
+    "tree",
 ]
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -55,6 +60,7 @@ _KINDS = (
     "prefix_lm",
     "sliding_window",
     "padding",
+    "tree",
     "and",
     "or",
     "not",
@@ -65,7 +71,7 @@ _KINDS = (
 
 
 def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
-    """Validate doc ids and return them as a (B, S) tensor (a view for (S,) input)."""
+    """Validate doc ids and return a (B, S) copy that the mask owns (one snapshot for all paths)."""
     if not isinstance(doc_ids, Tensor):
         raise TypeError(
             f"{name} must be a torch.Tensor of integer document ids, got {type(doc_ids).__name__}; "
@@ -90,7 +96,7 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
         )
     if not doc_ids.dtype.is_signed:  # uint8, ...: valid ids, but -1 (padding) must fit
         doc_ids = doc_ids.to(torch.int64)
-    return doc_ids if doc_ids.dim() == 2 else doc_ids[None]
+    return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
 
 
 def _check_block_size(block_size: Any) -> int:
@@ -154,8 +160,9 @@ def _prefix_flags(doc_ids: Tensor, prefix_lengths: Any) -> Tensor:
         raise ValueError(
             f"prefix_lm needs doc ids 0..n-1 in order with each document contiguous in its row "
             f"(what the packer emits); row {bad_row} is {doc_ids[bad_row].tolist()[:64]}. "
-            f"Renumber the row with flexpack.PackedLayout.from_doc_ids, or use document(...) "
-            f"for arbitrary ids."
+            f"Renumber the rows with flexpack.PackedLayout.from_doc_ids(doc_ids).doc_ids (runs "
+            f"numbered 0..n-1 per row; prefix_lengths then follow that order), or use "
+            f"document(...) for arbitrary ids."
         )
     num_docs = best[:, -1] + 1  # (B,)
     max_docs = int(num_docs.max())
@@ -328,17 +335,17 @@ class Mask:
     """An attention mask with an element-level ``mask_mod`` and a direct BlockMask builder.
 
     Build masks with the factories (:func:`causal`, :func:`document`, :func:`prefix_lm`,
-    :func:`sliding_window`, :func:`padding`) and compose them with ``&``, ``|`` and ``~``;
-    ``document(d) & causal()`` (either order) normalizes to kind ``"document_causal"``.
+    :func:`sliding_window`, :func:`padding`, :func:`tree`) and compose them with ``&``, ``|`` and
+    ``~``; ``document(d) & causal()`` (either order) normalizes to kind ``"document_causal"``.
 
     Attributes:
         kind: one of "causal", "document", "document_causal", "prefix_lm", "sliding_window",
-            "padding", "and", "or", "not".
+            "padding", "tree", "and", "or", "not".
         mask_mod: plain ``(b, h, q_idx, kv_idx) -> bool Tensor`` callable with a stable
             ``__name__`` (e.g. ``"and(document_causal, sliding_window_256)"``); works with
             ``create_block_mask``, ``and_masks``, ``or_masks`` and ``flex_attention``.
-        doc_ids: (B, S) integer tensor the mask was built from (for compositions, that of the
-            first factor that has one), or None.
+        doc_ids: (B, S) integer tensor, the mask's own copy of the ids it was built from (for
+            compositions, that of the first factor that has one), or None.
         window: the window of a sliding_window mask, else None.
         children: the factors of an and/or/not mask, else ().
 
@@ -398,7 +405,7 @@ class Mask:
         """Every tensor the mask_mod reads (doc ids, prefix flags, window limits)."""
         if self.children:
             return [t for c in self.children for t in c._tensors()]
-        own = (self.doc_ids, self._in_prefix, self._window_t)
+        own = (self.doc_ids, self._in_prefix, self._window_t, getattr(self, "_tree_ends", None))
         return [t for t in own if t is not None]
 
     def to(self, device: torch.device | str) -> Mask:
@@ -440,6 +447,9 @@ class Mask:
             return self
         if k == "sliding_window":
             return _sliding_window(self.window, move(self._window_t))
+        if k == "tree":
+            seg, ends = move(self.doc_ids), move(self._tree_ends)  # type: ignore[attr-defined]
+            return _tree_from_tables(seg, ends)
         if k == "prefix_lm":
             d, flags = move(self.doc_ids), move(self._in_prefix)
             return Mask(
@@ -829,3 +839,153 @@ def prefix_lm_mask(doc_ids: Tensor, prefix_lengths: Tensor, *, block_size: int =
         (1, 1, 4, 4)
     """
     return prefix_lm(doc_ids, prefix_lengths).block_mask(block_size=block_size)
+
+
+# ----------------------------------------------------------------------------- trees
+
+
+def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
+    """Validate a forest layout; return (B, M + 1) int64 subtree ends.
+
+    Segment k of row b (numbered depth-first, a parent before its children) has the descendants
+    k..ends[b, k] - 1 (itself included); the last column, read by padding, is -1.
+    """
+    if not isinstance(parents, Tensor):
+        raise TypeError(
+            f"parents must be a torch.Tensor of integer segment numbers, got "
+            f"{type(parents).__name__}; use torch.as_tensor(parents)."
+        )
+    if parents.dtype == torch.bool or parents.is_floating_point() or parents.is_complex():
+        raise TypeError(
+            f"parents must hold integer segment numbers (-1 for a root), got dtype {parents.dtype}."
+        )
+    if parents.device != segment_ids.device:
+        raise ValueError(
+            f"parents is on {parents.device} but segment_ids on {segment_ids.device}; move one "
+            f"of them, e.g. parents.to(segment_ids.device)."
+        )
+    B = segment_ids.shape[0]
+    seg = segment_ids.to(torch.int64).cpu()
+    real = seg >= 0
+    # Segment ids 0..n-1 in order, each one contiguous run (what pack_trees emits).
+    prev = torch.nn.functional.pad(seg[:, :-1], (1, 0), value=-1)
+    best = torch.cummax(torch.where(real, seg, -1), dim=-1).values
+    best_before = torch.nn.functional.pad(best[:, :-1], (1, 0), value=-1)
+    ok = ~real | (seg == best_before + 1) | ((seg == best_before) & (prev == seg))
+    if not bool(ok.all()):
+        bad = int((~ok).any(-1).nonzero()[0])
+        raise ValueError(
+            f"tree needs segment ids 0..n-1 in depth-first order with each segment one "
+            f"contiguous run of its row (what flexpack.pack_trees emits); row {bad} is "
+            f"{segment_ids[bad].tolist()[:64]}."
+        )
+    num = (best[:, -1] + 1).tolist()  # segments per row
+    M = max(num)
+    par = parents if parents.dim() == 2 else parents[None]
+    if parents.dim() not in (1, 2) or par.shape[0] != B or par.shape[1] < M:
+        expected = f"({M},) or (1, >= {M})" if B == 1 else f"({B}, >= {M})"
+        raise ValueError(
+            f"parents must have shape {expected} (the parent segment of every segment of each "
+            f"row, -1 for a root), got {tuple(parents.shape)}."
+        )
+    par = par[:, :M].to(torch.int64).cpu()
+    k = torch.arange(M)
+    live = k[None, :] < torch.tensor(num)[:, None]  # (B, M): columns past a row's segments
+    bad = live & ((par < -1) | (par >= k[None, :]))
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"parents[{b}, {j}] = {int(par[b, j])}, but a segment's parent must be -1 (a root) or "
+            f"an earlier segment 0..{j - 1}: segments are numbered depth-first, a parent before "
+            f"its children."
+        )
+    # Subtree ends and sizes, children folded into parents from the last segment up: O(M) steps
+    # vectorized over rows. Depth-first numbering holds iff every subtree fills k..end - 1.
+    ends = (k + 1).expand(B, M).clone()
+    sizes = torch.ones(B, M, dtype=torch.int64)
+    up = torch.where(live & (par >= 0), par, M)  # roots and dead columns fold into a spare column
+    ends = torch.nn.functional.pad(ends, (0, 1))
+    sizes = torch.nn.functional.pad(sizes, (0, 1))
+    rows = torch.arange(B)
+    for j in range(M - 1, 0, -1):
+        p = up[:, j]
+        ends[rows, p] = torch.maximum(ends[rows, p], ends[:, j])
+        sizes[rows, p] += sizes[:, j]
+    ends, sizes = ends[:, :M], sizes[:, :M]
+    bad = live & (sizes != ends - k)
+    if bool(bad.any()):
+        b, j = bad.nonzero()[0].tolist()
+        raise ValueError(
+            f"segments of row {b} are not numbered depth-first: the subtree of segment {j} is "
+            f"not the run {j}..{int(ends[b, j]) - 1} (parents {par[b].tolist()[:64]}). Number "
+            f"a parent before its children and a whole subtree before the next sibling."
+        )
+    ends = torch.where(live, ends, -1)
+    return torch.nn.functional.pad(ends, (0, 1), value=-1).to(segment_ids.device)
+
+
+def _tree_mod(segment_ids: Tensor, ends: Tensor) -> MaskMod:
+    seg = _row_lookup(segment_ids)
+    B, W = ends.shape
+    flat_end = ends.reshape(-1)
+
+    def tree(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        sq, sk = seg(b, q_idx), seg(b, kv_idx)
+        col = torch.where(sk >= 0, sk, W - 1)  # padding reads end -1: sees nothing
+        end = flat_end[col] if B == 1 else flat_end[b * W + col]
+        # kv's segment is an ancestor of (or is) q's: q's segment lies in kv's subtree.
+        return (sk <= sq) & (sq < end) & (kv_idx <= q_idx)
+
+    return tree
+
+
+class _TreeMask(Mask):
+    """A Mask of kind "tree": keeps its own forest tables for the block-level classification."""
+
+    __slots__ = ("_segment_ids", "_spans", "_tree_ends")  # _spans: flexpack._attention_tree
+
+    def _classes(self, block_size: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+        return _bm.classify_tree(self._segment_ids, self._tree_ends, block_size)
+
+
+def tree(segment_ids: Tensor, parents: Tensor) -> Mask:
+    """Prefix-tree mask: a token attends causally to its segment and to all of its ancestors.
+
+    A row holds trees of segments (a prompt, its completions, their continuations); ordinary
+    documents are one-segment trees. Query q attends key kv iff kv's segment is q's segment or
+    one of its ancestors, and ``kv <= q``; padding attends to nothing and is attended by nothing
+    (the mask includes the padding mask). Every root-to-leaf path so sees exactly the keys it
+    would see run alone. Build rows with :func:`flexpack.pack_trees`.
+
+    Args:
+        segment_ids: (S,) or (B, S) integer; per row the segments are numbered 0..n-1 in
+            depth-first order (a parent before its children, a whole subtree before the next
+            sibling), each segment one contiguous run; negative marks padding.
+        parents: (n,) for (S,) segment ids, (B, >= max n) for (B, S): the parent segment of each
+            segment, -1 for a root; columns past a row's segments are ignored.
+
+    Returns:
+        Mask of kind "tree" (``doc_ids`` holds the segment ids), composable with the others.
+
+    Raises:
+        TypeError: non-integer inputs. ValueError: bad shapes, segment ids not 0..n-1 in
+            contiguous order, parents not a depth-first numbering, inputs on two devices.
+
+    Example:
+        >>> import torch
+        >>> seg = torch.tensor([0, 0, 1, 1, 2, -1])  # a prompt (0) with two completions
+        >>> m = tree(seg, torch.tensor([-1, 0, 0]))
+        >>> q, kv = torch.tensor(4), torch.tensor([0, 1, 2, 3, 4, 5])
+        >>> m.mask_mod(torch.tensor(0), torch.tensor(0), q, kv).tolist()  # second completion
+        [True, True, False, False, True, False]
+    """
+    seg = _as_doc_ids(segment_ids, "segment_ids")
+    return _tree_from_tables(seg, _tree_ends(seg, parents))
+
+
+def _tree_from_tables(seg: Tensor, ends: Tensor) -> Mask:
+    mask = _TreeMask("tree", _named(_tree_mod(seg, ends), "tree"), doc_ids=seg)
+    mask._segment_ids = seg
+    mask._tree_ends = ends
+    mask._spans = None
+    return mask

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from flexpack._choices import OVERFLOWS, STRATEGIES
 from flexpack.layout import PackedLayout
 
 if TYPE_CHECKING:
@@ -35,8 +36,6 @@ if TYPE_CHECKING:
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "DocsPerRow", "PackPlan", "PackStats", "pack"]
 
-STRATEGIES = ("bfd", "ffd", "greedy", "wrap")
-OVERFLOWS = ("error", "split", "truncate", "drop")
 _NO_LIMIT = np.iinfo(np.int64).max
 _BFD_MAX_LEN = 1 << 24  # bfd's capacity table: 8 bytes per capacity, 128 MiB at this limit
 
@@ -54,8 +53,10 @@ class DocsPerRow:
 class PackStats:
     """What a packing did with the tokens it was given.
 
-    ``tokens == placed + truncated + dropped`` always holds. ``lower_bound_rows`` is
-    ``ceil(placed / max_len)``: no packer can use fewer rows for the tokens it places.
+    ``tokens == placed + truncated + dropped`` always holds; the counts are exact Python ints,
+    never wrapped (``pack([2**62] * 3, 8, overflow="drop").stats.tokens == 3 * 2**62``).
+    ``lower_bound_rows`` is ``ceil(placed / max_len)``: no packer can use fewer rows for the
+    tokens it places.
     """
 
     samples: int
@@ -215,7 +216,10 @@ class PackPlan:
             pad_id: token id written on padding.
 
         Raises:
-            ValueError: a sequence's length differs from the one the plan was made for.
+            ValueError: a sequence's length differs from the one the plan was made for, or a
+                token id or ``pad_id`` does not fit int64.
+            TypeError: a sample is not a 1-D sequence of integer token ids (the error names the
+                sample and the element), or ``pad_id`` is not an int.
 
         Example:
             >>> seqs = [[1, 2, 3], [4, 5, 6, 7, 8], [9, 10], [11, 12, 13, 14]]
@@ -245,6 +249,15 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         ) from None
     if arr.size == 0:
         arr = arr.astype(np.int64).reshape(-1)
+    # Python ints past int64 make numpy pick float64 ([3, 2**63]) or object ([3, 2**64]).
+    big = None
+    if arr.dtype.kind in "fO" and arr.ndim == 1 and all(type(x) is int for x in lengths):
+        big = next((j for j, x in enumerate(lengths) if not -(2**63) <= x < 2**63), None)
+    if big is not None:
+        raise ValueError(
+            f"lengths[{big}] = {lengths[big]} does not fit int64: lengths are tokens per sample; "
+            "pass e.g. [len(s) for s in samples]."
+        )
     if arr.dtype.kind not in "iu":
         raise TypeError(
             f"lengths must be integers (tokens per sample); got dtype {arr.dtype} "
@@ -254,6 +267,12 @@ def _as_lengths(lengths: Any) -> np.ndarray:
         raise ValueError(
             f"lengths must be 1-D (one length per sample); got shape {arr.shape}. Flatten it."
         )
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _NO_LIMIT:
+        bad = int(np.argmax(arr > _NO_LIMIT))
+        raise ValueError(
+            f"lengths[{bad}] = {int(arr[bad])} does not fit int64: lengths are tokens per "
+            "sample; pass e.g. [len(s) for s in samples]."
+        )
     arr = arr.astype(np.int64)  # a copy: the plan keeps it read-only
     if arr.size and arr.min() < 0:
         bad = int(np.argmax(arr < 0))
@@ -262,6 +281,15 @@ def _as_lengths(lengths: Any) -> np.ndarray:
             f"({int((arr < 0).sum())} negative in all)"
         )
     return arr
+
+
+def _exact_sum(a: np.ndarray) -> int:
+    """Sum of non-negative int64 ``a`` as a Python int: never wraps (int64 sums can)."""
+    if a.size == 0:
+        return 0
+    if int(a.max()) <= _NO_LIMIT // a.size:  # cannot overflow: one fast numpy sum
+        return int(a.sum())
+    return sum(a.tolist())
 
 
 def _check_int(value: Any, name: str, *, minimum: int) -> int:
@@ -301,8 +329,8 @@ def pack(
 
     Raises:
         TypeError: non-integer lengths or max_len.
-        ValueError: negative lengths or seed, ``max_len < 1``, unknown strategy or overflow, or
-            ``overflow="error"`` with samples longer than ``max_len``.
+        ValueError: negative lengths or seed, lengths past int64, ``max_len < 1``, unknown
+            strategy or overflow, or ``overflow="error"`` with samples longer than ``max_len``.
 
     Example:
         >>> plan = pack([3, 5, 2, 4, 7], max_len=8)
@@ -332,7 +360,7 @@ def pack(
         )
     lengths = _as_lengths(lengths)
     n = lengths.shape[0]
-    tokens = int(lengths.sum())
+    tokens = _exact_sum(lengths)
 
     long = lengths > max_len
     n_long = int(long.sum()) if n else 0
@@ -344,8 +372,8 @@ def pack(
             "(cut them into max_len pieces, each its own document), 'truncate' (keep the first "
             "max_len tokens) or 'drop' (leave them out), or raise max_len."
         )
-    truncated = int((lengths[long] - max_len).sum()) if overflow == "truncate" else 0
-    dropped = int(lengths[long].sum()) if overflow == "drop" else 0
+    truncated = _exact_sum(lengths[long] - max_len) if overflow == "truncate" else 0
+    dropped = _exact_sum(lengths[long]) if overflow == "drop" else 0
 
     from flexpack import _kernels as K
 

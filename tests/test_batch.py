@@ -134,3 +134,38 @@ def test_bad_sequences():
         pack_sequences(iter([[1]]), 8)
     with pytest.raises(ValueError, match="layout's shape"):
         PackedBatch(torch.zeros(1, 3), torch.zeros(1, 4), PackedLayout.from_seqlens([[2]], 4))
+
+
+@pytest.mark.parametrize(
+    ("seqs", "words"),
+    [
+        ([[3, 4], [1, "a"]], "sequence 1 .*element 1 is 'a'.*does not tokenize"),
+        ([[1, None]], "sequence 0 .*element 1 is None"),
+        ([[1, [2]]], "sequence 0 .*element 1 is \\[2\\]"),
+        ([[1, 2**64]], "element 1 is 18446744073709551616, which does not fit int64"),
+        ([[1, 2**63]], "element 1 is 9223372036854775808, which does not fit int64"),
+        ([np.array([1, 2**63], dtype=np.uint64)], "element 1 is 9223372036854775808"),
+    ],
+)
+def test_bad_tokens_name_the_sample_and_element(seqs, words):
+    """Issue 11: raw TypeErrors without a sample index, and "Python int too large"."""
+    with pytest.raises((TypeError, ValueError), match=words):
+        pack_sequences(seqs, 4)
+
+
+def test_a_text_column_says_flexpack_does_not_tokenize():
+    with pytest.raises(ValueError, match=r"does not tokenize.*tokenizer"):
+        pack_sequences([{"text": "hello"}], 4)
+
+
+@pytest.mark.parametrize(
+    ("pad_id", "exc"),
+    [("x", TypeError), (None, TypeError), (0.5, TypeError), (True, TypeError), (2**64, ValueError)],
+)
+def test_bad_pad_id_is_refused_clearly(pad_id, exc):
+    """Issue 11: "x"/None gave a numba TypingError wall and 0.5 was silently 0."""
+    with pytest.raises(exc, match="pad_id"):
+        pack_sequences([[1, 2]], 4, pad_id=pad_id)
+    with pytest.raises(exc, match="pad_id"):
+        pack([2], 4).materialize([[1, 2]], pad_id=pad_id)
+    assert pack_sequences([[1, 2]], 4, pad_id=np.int64(7)).input_ids.tolist() == [[1, 2, 7, 7]]

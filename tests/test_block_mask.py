@@ -223,6 +223,23 @@ def test_generic_ids_in_bounded_steps(monkeypatch: pytest.MonkeyPatch) -> None:
         _assert_identical(m.block_mask(block_size=4), _reference(m, 4))
 
 
+@pytest.mark.parametrize("block_size", [2**27, 2**40])
+def test_memory_follows_s_not_block_size(block_size: int) -> None:
+    """Issue 11: block_size=2**27 took 2.6 GB for 3 tokens and 2**40 failed to allocate; one
+    block covering the row is now classified from its S tokens."""
+    d = torch.tensor([0, 0, 1])
+    small = masks.document_causal_mask(d, block_size=4)
+    big = masks.document_causal_mask(d, block_size=block_size)
+    assert big.BLOCK_SIZE == (block_size, block_size)
+    assert big.kv_num_blocks.tolist() == small.kv_num_blocks.tolist() == [[[1]]]
+    assert big.full_kv_num_blocks.tolist() == small.full_kv_num_blocks.tolist() == [[[0]]]
+    one = masks.document(torch.tensor([2, 2, 2]))
+    big, small = one.block_mask(block_size=block_size), one.block_mask(block_size=4)
+    assert big.full_kv_num_blocks.tolist() == small.full_kv_num_blocks.tolist()
+    pl = masks.prefix_lm_mask(d, torch.tensor([2, 1]), block_size=block_size)
+    assert pl.kv_num_blocks.tolist() == [[[1]]]
+
+
 # ----------------------------------------------------------------------------- direct path
 
 

@@ -1,6 +1,8 @@
 """`flexpack pack` / `flexpack stats` on small files, through flexpack.cli.main."""
 
 import json
+import re
+import sys
 
 import numpy as np
 import pytest
@@ -91,7 +93,10 @@ def test_stats_prints_every_strategy(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("content", "args", "message"),
     [
-        ('{"input_ids": [1, 2, 3, 4, 5]}\n', [], "1 of 1 samples are longer than max_len=4"),
+        ('{"input_ids": [1, 2, 3, 4, 5]}\n', [], "1 of 1 samples are longer than --max-len 4"),
+        ('{"input_ids": [1, 2, 3, 4, 5]}\n', [], "Pass --overflow split"),
+        ('{"text": "hello"}\n', [], "flexpack packs token ids and does not tokenize"),
+        ('["a", "b"]\n', [], "does not tokenize"),
         ('{"tokens": [1]}\n', [], "no 'input_ids' field"),
         ("not json\n", [], "not valid JSON"),
         ('{"input_ids": [1.5]}\n', [], "list of integer token ids"),
@@ -114,12 +119,14 @@ def test_pack_errors(tmp_path, capsys, content, args, message):
 
 
 def test_input_errors(tmp_path, capsys):
-    assert main(["stats", str(tmp_path / "missing.jsonl"), "--max-len", "4"]) == 2
-    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(tmp_path / "missing.jsonl"), "--max-len", "4"])
+    assert exit_.value.code == 2 and "no such file" in capsys.readouterr().err
     csv = tmp_path / "in.csv"
     csv.write_text("1,2\n")
-    assert main(["stats", str(csv), "--max-len", "4"]) == 2
-    assert "unknown format" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(csv), "--max-len", "4"])
+    assert exit_.value.code == 2 and "unknown format" in capsys.readouterr().err
     bad = tmp_path / "in.parquet"
     pq.write_table(pa.table({"x": [[1]]}), bad)
     assert main(["stats", str(bad), "--max-len", "4"]) == 2
@@ -154,3 +161,185 @@ def test_parquet_float_tokens_are_an_error_not_truncated(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "input_ids" in err and "double" in err and "integer" in err
     assert not (tmp_path / "o.parquet").exists()
+
+
+# ----------------------------------------------------------------------------- issue 11
+
+
+def test_help_and_argument_errors_do_not_import_torch():
+    """`flexpack --help` imported torch (2-5 s); help and usage errors must be instant."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from flexpack.cli import main\n"
+        "for argv in (['--help'], ['pack', '--help'], ['demo', '--docs', '0']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('torch' in sys.modules, 'numpy' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip().splitlines()[-1] == "False False"
+
+
+def test_help_shows_defaults_and_every_option_has_help(capsys):
+    from flexpack.cli import build_parser
+
+    parser = build_parser()
+    assert "``" not in parser.description
+    subs = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    for name, sub in subs.choices.items():
+        for action in sub._actions:
+            assert action.help, (name, action.dest)
+        with pytest.raises(SystemExit):
+            sub.parse_args(["--help"])
+        text = capsys.readouterr().out
+        assert "``" not in text
+        if name == "pack":
+            for default in ("(default: bfd)", "(default: 0)", "(default: error)"):
+                assert default in " ".join(text.split()), default
+        if name == "demo":
+            assert "(default: 1024)" in text
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["demo", "--docs", "0"],
+        ["demo", "--max-len", "0"],
+        ["demo", "--max-len", "x"],
+        ["stats", "IN", "--max-len", "0"],
+        ["pack", "IN", "--max-len", "-4", "--out", "OUT"],
+        ["pack", "IN", "--max-len", "4", "--out", "OUT", "--pad-id", "99999999999999999999"],
+        ["pack", "IN", "--max-len", "4", "--out", "OUT", "--pad-id", "x"],
+        ["pack", "IN", "--max-len", "4", "--out", "OUT", "--seed", "-1"],
+        ["pack", "IN", "--max-len", "4", "--out", "OUT", "--max-docs-per-row", "0"],
+        ["pack", "IN", "--max-len", "4", "--out", "DIR"],
+        ["pack", "IN", "--max-len", "4", "--out", "FILE/sub/out.parquet"],
+        ["pack", "IN", "--max-len", "4", "--out", "OUT", "--plot", "DIR"],
+        ["demo", "--out", "FILE"],
+    ],
+)
+def test_bad_flag_values_are_usage_errors(tmp_path, capsys, argv):
+    """Every bad value: argparse-style usage line and message, exit status 2, no traceback, and
+    nothing read or written."""
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "file").write_text("x")
+    names = {"IN": src, "OUT": tmp_path / "o.parquet", "DIR": tmp_path / "dir"}
+    names["FILE/sub/out.parquet"] = tmp_path / "file" / "sub" / "out.parquet"
+    names["FILE"] = tmp_path / "file"
+    argv = [str(names.get(a, a)) for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: flexpack") and "error:" in err and "Traceback" not in err
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_unwritable_out_is_a_usage_error(tmp_path, capsys):
+    import os
+
+    if os.geteuid() == 0:
+        pytest.skip("root writes anywhere")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    with pytest.raises(SystemExit) as exit_:
+        main(["pack", str(src), "--max-len", "64", "--out", str(locked / "o.parquet")])
+    assert exit_.value.code == 2 and "permission denied" in capsys.readouterr().err
+
+
+def test_input_that_is_a_directory_or_not_utf8(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["stats", str(tmp_path), "--max-len", "4"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: flexpack stats")
+    assert "is a directory" in err
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"input_ids": [1]}\n{"input_ids": [2], "note": "caf\xe9"}\n')
+    assert main(["stats", str(latin), "--max-len", "4"]) == 2
+    err = capsys.readouterr().err
+    assert f"{latin}:2: not UTF-8" in err and "0xe9" in err
+
+
+def test_bare_list_lines_are_token_ids(tmp_path, capsys):
+    src = tmp_path / "lists.jsonl"
+    src.write_text("[1, 2, 3]\n[4, 5]\n")
+    out = tmp_path / "o.parquet"
+    assert main(["pack", str(src), "--max-len", "8", "--out", str(out), "-q"]) == 0
+    _check_packed(out, [[1, 2, 3], [4, 5]], 8)
+    assert main(["pack", str(src), "--max-len", "8", "--out", str(out), "--labels-column", "l"])
+    assert "a bare list has no 'l' field" in capsys.readouterr().err
+
+
+def test_stats_prints_nothing_before_failing(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", [[1] * 10, [2] * 3])
+    assert main(["stats", str(src), "--max-len", "4"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--overflow split" in captured.err and "overflow=" not in captured.err
+
+
+def test_stats_times_packing_apart_from_the_packer_load(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=20))
+    assert main(["stats", str(src), "--max-len", "64"]) == 0
+    text = capsys.readouterr().out
+    assert "pack s" in text and "Loading the compiled packers" in text
+    for strategy in ("bfd", "ffd", "greedy", "wrap"):
+        assert re.search(rf"{strategy} \d+\.\d\d s", text), strategy
+
+
+@pytest.mark.parametrize(
+    ("blocked", "argv_tail", "words"),
+    [
+        ("pyarrow", [], "flexpack pack writes Parquet, which needs pyarrow: pip install"),
+        ("matplotlib", ["--plot", "fill.png"], "--plot needs matplotlib: pip install"),
+    ],
+)
+def test_missing_extras_are_named_before_reading_input(
+    tmp_path, capsys, monkeypatch, blocked, argv_tail, words
+):
+    """`flexpack pack` after the README's [viz] install failed on pyarrow after all the work."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("not json\n")  # reading it would fail: the extra must be named first
+    monkeypatch.setitem(sys.modules, blocked, None)
+    monkeypatch.setitem(sys.modules, f"{blocked}.parquet", None)
+    argv = ["pack", str(src), "--max-len", "4", "--out", str(tmp_path / "o.parquet")]
+    argv += [str(tmp_path / a) if a.endswith(".png") else a for a in argv_tail]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and "flexpack[cli]" in err
+    assert "not valid JSON" not in err
+
+
+def test_parquet_nulls_name_the_row(tmp_path, capsys):
+    src = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2], [3, None]])}), src)
+    assert main(["stats", str(src), "--max-len", "4"]) == 2
+    assert "row 1 of column 'input_ids' holds a null" in capsys.readouterr().err
+    pq.write_table(pa.table({"input_ids": pa.array([[1, 2], None])}), src)
+    assert main(["stats", str(src), "--max-len", "4"]) == 2
+    assert "row 1 of column 'input_ids' is null" in capsys.readouterr().err
+
+
+def test_pack_says_where_it_wrote(tmp_path, capsys):
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=5))
+    out = tmp_path / "o.parquet"
+    assert main(["pack", str(src), "--max-len", "64", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"wrote       {out.resolve()}" in text and "packer load (once)" in text
+
+
+def test_litgpt_finetune_forwards_to_the_litgpt_entry_point(capsys):
+    """`flexpack litgpt-finetune` is `python -m flexpack.integrations.litgpt finetune`."""
+    with pytest.raises(SystemExit) as e:
+        main(["litgpt-finetune", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "--max-len" in out and "--data" in out

@@ -71,6 +71,14 @@ def test_python_int_in_a_mask_mod_recompiles() -> None:
     assert cnt.frame_count == 2
 
 
+def test_mask_to_moves_a_tree_mask() -> None:
+    seg = torch.tensor([[0, 0, 1, 1, 2, -1]])
+    m = masks.tree(seg, torch.tensor([-1, 0, 0])) & masks.sliding_window(2)
+    moved = m.to("meta")
+    assert moved.children[0].kind == "tree" and len(moved._tensors()) == 3
+    assert {t.device.type for t in moved._tensors()} == {"meta"}
+
+
 def test_mask_to_moves_every_tensor_the_mask_mod_reads() -> None:
     d = torch.tensor([[0, 0, 1, 1, -1]])
     pl = torch.tensor([[1, 2]])
@@ -359,11 +367,10 @@ def test_flex_block_masks_on_cuda_are_multiples_of_128():
 
 
 def test_a_mask_description_becomes_one_block_mask_per_forward():
-    d = DOC.clone()
-    spec = _mask_spec(masks.document(d) & masks.sliding_window(5), torch.empty(1, 1, 32, 16))
+    spec = _mask_spec(masks.document(DOC) & masks.sliding_window(5), torch.empty(1, 1, 32, 16))
     first = _flex_block_mask(spec, 32, torch.device("cpu"))
     assert _flex_block_mask(spec, 32, torch.device("cpu")) is first  # the next layers
-    d[0, -1] = 1  # edited in place: rebuilt
+    spec.mask.doc_ids[0, -1] = 1  # the mask's own ids edited in place: rebuilt
     assert _flex_block_mask(spec, 32, torch.device("cpu")) is not first
 
 
@@ -464,5 +471,7 @@ def test_mask_to_sees_in_place_edits():
     m = masks.document(d)
     first = m.to("meta")
     assert m.to("meta") is first
-    d[0, 0] = 1  # the copy on "meta" is stale now
+    d[0, 0] = 1  # the caller's tensor: the mask keeps its own copy, so nothing changes
+    assert m.to("meta") is first
+    m.doc_ids[0, 0] = 1  # the mask's own copy edited in place: the copy on "meta" is stale
     assert m.to("meta") is not first

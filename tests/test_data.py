@@ -93,11 +93,12 @@ def test_bad_input_errors():
         PackedDataset([3, 4], 8)
     with pytest.raises(TypeError, match="integer"):
         PackedDataset([np.array([0.5, 1.5])], 8)
-    with pytest.raises(TypeError, match="column=") as err:
-        PackedDataset([{"input_ids": [1, 2]}], 8)
-    # the fix it names works for a list of dicts (column= alone is refused for a list)
-    assert 'pass [s["input_ids"] for s in samples]' in str(err.value)
-    assert len(PackedDataset([s["input_ids"] for s in [{"input_ids": [1, 2]}]], 8)) == 1
+    # a list of dicts works: tokens under column (default "input_ids")
+    assert len(PackedDataset([{"input_ids": [1, 2]}], 8)) == 1
+    with pytest.raises(ValueError, match="column=<key of the token ids>"):
+        PackedDataset([{"tokens": [1, 2]}], 8)
+    with pytest.raises(TypeError, match="drop column="):
+        PackedDataset([[1, 2]], 8, column="tokens")
     with pytest.raises(ValueError, match="max_len"):
         PackedDataset([[1]], 0)
     datasets = pytest.importorskip("datasets")

@@ -9,7 +9,7 @@ import torch
 datasets = pytest.importorskip("datasets")
 
 from flexpack import pack  # noqa: E402
-from flexpack.data import collate  # noqa: E402
+from flexpack.data import PackedDataset, collate  # noqa: E402
 from flexpack.integrations.datasets import pack_dataset  # noqa: E402
 
 
@@ -29,32 +29,68 @@ def test_rows_equal_the_global_plan(samples):
     ds = datasets.Dataset.from_dict({"input_ids": samples, "text": ["t"] * len(samples)})
     packed = pack_dataset(ds, 48, batch_size=64)
     ref = pack([len(s) for s in samples], 48).materialize(samples)
+    assert packed.column_names == ["input_ids", "seqlens", "num_tokens"]  # unpadded
+    assert packed.features["input_ids"].feature.dtype == "int32"  # stored narrow
+    got = packed.with_format("numpy")[:]
+    np.testing.assert_array_equal(got["num_tokens"], (ref.doc_ids >= 0).sum(1).numpy())
+    assert [len(x) for x in got["input_ids"]] == got["num_tokens"].tolist()
+    ref_seqlens = [ref.layout.row_seqlens[r] for r in range(len(ref))]
+    assert [x.tolist() for x in got["seqlens"]] == [list(map(int, s)) for s in ref_seqlens]
+    batch = collate(list(packed), max_len=48)
+    for name in ("input_ids", "labels", "doc_ids", "position_ids", "cu_seqlens"):
+        assert torch.equal(getattr(batch, name), getattr(ref, name)), name
+    assert batch.input_ids.dtype == torch.int64
+    torch_rows = collate(list(packed.with_format("torch").select(range(3))), max_len=48)
+    assert torch.equal(torch_rows.input_ids, ref.input_ids[:3])
+    # PackedDataset over the stored rows pads them on access, same rows
+    served = PackedDataset(packed, 48)
+    assert served.plan is None and len(served) == len(ref)
+    np.testing.assert_array_equal(served.num_tokens, got["num_tokens"])
+    rows = collate([served[i] for i in range(len(served))])
+    assert torch.equal(rows.input_ids, ref.input_ids) and torch.equal(rows.labels, ref.labels)
+    with pytest.raises(ValueError, match="max_len=47"):
+        PackedDataset(packed, 47)
+    table = PackedDataset(packed.data.table, 48)  # a pyarrow Table of stored rows too
+    assert torch.equal(table[len(ref) - 1].input_ids, ref.input_ids[-1:])
+
+
+def test_padded_rows_equal_the_global_plan(samples):
+    ds = datasets.Dataset.from_dict({"input_ids": samples})
+    packed = pack_dataset(ds, 48, batch_size=64, padded=True, pad_id=7)
+    ref = pack([len(s) for s in samples], 48).materialize(samples, pad_id=7)
     got = packed.with_format("torch")[:]
     names = {"input_ids", "labels", "doc_ids", "position_ids", "num_tokens"}
     assert set(packed.column_names) == names
     assert torch.equal(got["num_tokens"], (ref.doc_ids >= 0).sum(1))
-    assert torch.equal(got["input_ids"], ref.input_ids)
-    assert torch.equal(got["labels"], ref.labels)
-    assert torch.equal(got["doc_ids"], ref.doc_ids)
-    assert torch.equal(got["position_ids"], ref.position_ids)
-    assert packed.features["input_ids"].feature.dtype == "int32"  # stored narrow
-    assert got["input_ids"].dtype == torch.int64  # torch format widens
+    for name in ("input_ids", "labels", "doc_ids", "position_ids"):
+        assert torch.equal(got[name], getattr(ref, name)), name
+    assert packed.features["input_ids"].feature.dtype == "int32"
     batch = collate([packed.with_format("torch")[i] for i in range(3)])
     assert torch.equal(batch.input_ids, ref.input_ids[:3])
 
 
 def test_save_load_round_trip_disk_backed_and_num_proc(samples, tmp_path):
-    src = datasets.Dataset.from_dict({"input_ids": samples})
+    src = datasets.Dataset.from_dict({"input_ids": samples, "labels": samples})
     src.save_to_disk(tmp_path / "src")
     src = datasets.load_from_disk(tmp_path / "src").select(range(len(samples) - 1, -1, -1))
     packed = pack_dataset(src, 48, num_proc=2, batch_size=32)
     assert packed.cache_files  # written to Arrow files, not held in memory
+    assert packed.column_names == ["input_ids", "labels", "seqlens", "num_tokens"]
     packed.save_to_disk(tmp_path / "packed")
     again = datasets.load_from_disk(tmp_path / "packed")
     assert again.features == packed.features
     assert again[:] == packed[:]
     ref = pack([len(s) for s in samples[::-1]], 48).materialize(samples[::-1])
-    assert torch.equal(again.with_format("torch")[:]["input_ids"], ref.input_ids)
+    batch = collate(list(again), max_len=48)
+    assert torch.equal(batch.input_ids, ref.input_ids)
+    assert torch.equal(batch.labels, ref.labels)
+    served = PackedDataset(again.select(range(len(again) - 1, -1, -1)), 48)
+    assert torch.equal(served[0].input_ids, ref.input_ids[-1:])
+    # no indices mapping: workers read the memory-mapped buffers zero-copy, same rows
+    plain = datasets.load_from_disk(tmp_path / "src")
+    direct = pack_dataset(plain, 48, num_proc=2, batch_size=16)
+    ref = pack([len(s) for s in samples], 48).materialize(samples)
+    assert torch.equal(collate(list(direct), max_len=48).labels, ref.labels)
 
 
 def test_no_more_rows_than_chunked_packing():
@@ -83,7 +119,8 @@ def test_empty_input_keeps_the_columns():
         ds = datasets.Dataset.from_dict({"input_ids": rows}, features=features)
         packed = pack_dataset(ds, 8)
         assert len(packed) == 0
-        assert packed.column_names == [
+        assert packed.column_names == ["input_ids", "seqlens", "num_tokens"]
+        assert pack_dataset(ds, 8, padded=True).column_names == [
             "input_ids",
             "labels",
             "doc_ids",

@@ -10,6 +10,7 @@ ray = pytest.importorskip("ray")
 pytest.importorskip("ray.data")
 
 from flexpack import pack  # noqa: E402
+from flexpack.data import collate  # noqa: E402
 from flexpack.integrations.ray import pack_ray_dataset  # noqa: E402
 
 
@@ -30,15 +31,32 @@ def test_global_plan_rows_match_materialize_and_errors(local_ray):
     lengths = rng.integers(1, 33, size=120)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
     samples = [list(range(int(s), int(s + k))) for s, k in zip(starts, lengths, strict=True)]
-    ds = ray.data.from_items([{"input_ids": s, "meta": i} for i, s in enumerate(samples)])
-    ds = ds.repartition(3)  # several blocks: the plan must still be global
+    labels = [[-100 if t % 3 == 0 else t for t in s] for s in samples]
+    items = [
+        {"input_ids": s, "labels": lab, "meta": i}
+        for i, (s, lab) in enumerate(zip(samples, labels, strict=True))
+    ]
+    ds = ray.data.from_items(items).repartition(3)  # several blocks: the plan must be global
+    plan = pack(lengths, 32, overflow="split")
+    ref = plan.materialize(
+        [{"input_ids": s, "labels": lab} for s, lab in zip(samples, labels, strict=True)]
+    )
     out = sorted(pack_ray_dataset(ds, 32, overflow="split").take_all(), key=lambda r: r["row"])
-    ref = pack(lengths, 32, overflow="split").materialize(samples)
     assert [r["row"] for r in out] == list(range(ref.input_ids.shape[0]))
+    assert set(out[0]) == {"row", "input_ids", "labels", "seqlens", "num_tokens"}
+    batch = collate(
+        [{k: r[k] for k in ("input_ids", "labels", "seqlens")} for r in out], max_len=32
+    )
+    for name in ("input_ids", "labels", "doc_ids", "position_ids"):
+        assert torch.equal(getattr(batch, name), getattr(ref, name)), name
+    assert [r["num_tokens"] for r in out] == (ref.doc_ids >= 0).sum(1).tolist()
+
+    padded = pack_ray_dataset(ds, 32, overflow="split", padded=True, labels_column=None)
+    out = sorted(padded.take_all(), key=lambda r: r["row"])
+    ref = plan.materialize(samples)
     for name in ("input_ids", "labels", "doc_ids", "position_ids"):
         got = torch.as_tensor(np.stack([r[name] for r in out]))
         assert torch.equal(got.long(), getattr(ref, name).long()), name
-    assert [r["num_tokens"] for r in out] == (ref.doc_ids >= 0).sum(1).tolist()
 
     with pytest.raises(ValueError, match="column 'tokens' is not in the dataset"):
         pack_ray_dataset(ds, 32, column="tokens")
@@ -46,3 +64,8 @@ def test_global_plan_rows_match_materialize_and_errors(local_ray):
         pack_ray_dataset(samples, 32)
     with pytest.raises(Exception, match="expected list<int>"):
         pack_ray_dataset(ds, 32, column="meta")
+    bad = [dict(it) for it in items]
+    bad[100]["labels"] = bad[100]["labels"][:-1]
+    bad_ds = ray.data.from_items(bad).repartition(3)
+    with pytest.raises(ValueError, match="sample 100 has"):
+        pack_ray_dataset(bad_ds, 32, overflow="split")

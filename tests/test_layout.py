@@ -47,13 +47,64 @@ def test_cached_views_match_computed_views():
             assert a == b, name
 
 
-def test_from_doc_ids_keeps_values_and_splits_runs():
-    layout = PackedLayout.from_doc_ids([[7, 7, 3, 3, 3, -1], [5, -1, 5, 5, -1, -1]])
-    assert layout.doc_ids.tolist()[0] == [7, 7, 3, 3, 3, -1]
-    assert layout.seqlens.tolist() == [2, 3, 1, 2]  # padding inside row 1 cuts two runs of 5
+def test_from_doc_ids_renumbers_runs_per_row():
+    layout = PackedLayout.from_doc_ids([[7, 7, 3, 3, 3, -1], [5, -1, 6, 6, -1, -2]])
+    assert layout.doc_ids.tolist() == [[0, 0, 1, 1, 1, -1], [0, -1, 1, 1, -1, -1]]
+    assert layout.seqlens.tolist() == [2, 3, 1, 2]
     assert layout.position_ids.tolist()[1] == [0, 0, 0, 1, 0, 0]
     one_row = PackedLayout.from_doc_ids(torch.tensor([0, 0, 1]))
     assert one_row.shape == (1, 3)
+
+
+@pytest.mark.parametrize("big", [2**31, 2**32, 2**62])
+def test_ids_past_int32_keep_their_documents(big):
+    """Issue 11: int64 ids were cast to int32, merging documents (2**32 -> 0) or making
+    padding (2**31 -> negative)."""
+    ids = torch.tensor([[0, 0, big, big, big + 1, -1]])
+    layout = PackedLayout.from_doc_ids(ids)
+    assert layout.seqlens.tolist() == [2, 2, 1]
+    assert layout.doc_ids.tolist() == [[0, 0, 1, 1, 2, -1]]
+    assert PackedLayout(ids) == layout
+    from_numpy = PackedLayout.from_doc_ids(np.array([[big, big, 1]], dtype=np.uint64))
+    assert from_numpy.seqlens.tolist() == [2, 1]
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.uint8, torch.int8, torch.int16, torch.uint16, torch.uint32, torch.uint64]
+)
+def test_every_integer_dtype(dtype):
+    assert PackedLayout(torch.tensor([[1, 1, 2, 0]]).to(dtype)).seqlens.tolist() == [2, 1, 1]
+
+
+def test_layout_owns_a_copy_of_doc_ids():
+    ids = torch.tensor([[0, 0, 1, 1]], dtype=torch.int32)
+    layout = PackedLayout(ids)
+    ids.fill_(-1)
+    assert layout.seqlens.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [[0, 0, 1, 1, 0, 0], [5, -1, 5, 5], [3, 4, 3]],
+)
+def test_an_id_naming_two_runs_is_refused(row):
+    """Issue 11: the layout counted [0, 0, 1, 1, 0, 0] as three documents with restarted
+    positions while masks, attention and loss (equality semantics) saw one: refuse it."""
+    with pytest.raises(ValueError, match="two separate runs of row 0"):
+        PackedLayout.from_doc_ids([row])
+    with pytest.raises(ValueError, match="contiguous run"):
+        PackedLayout(torch.tensor([row]))
+
+
+def test_cu_seqlens_refuse_to_wrap_past_int32():
+    """Issue 11: cu_seqlens were cumsummed into int32 and wrapped past 2**31 - 1 tokens."""
+    from flexpack.layout import _cu_seqlens_of
+
+    assert _cu_seqlens_of(np.array([2**31 - 2, 1])).tolist() == [0, 2**31 - 2, 2**31 - 1]
+    with pytest.raises(ValueError, match="int32"):
+        _cu_seqlens_of(np.array([2**31 - 1, 1]))
+    with pytest.raises(ValueError, match="int32"):
+        PackedLayout.from_cu_seqlens([0, 2**31], shape=(1, 2**31))
 
 
 def test_from_position_ids():
@@ -117,6 +168,12 @@ def test_accepts_numpy_and_other_int_dtypes():
         (lambda: PackedLayout.from_cu_seqlens([1, 3]), ValueError, "starting at 0"),
         (lambda: PackedLayout.from_cu_seqlens([0, 3, 2]), ValueError, "non-decreasing"),
         (lambda: PackedLayout.from_cu_seqlens([0, 3], [0, 1, 2]), ValueError, "shape"),
+        (lambda: PackedLayout.from_cu_seqlens([0, 3], shape=(1,)), ValueError, "two non-neg"),
+        (
+            lambda: PackedLayout.from_cu_seqlens([0, 3], [0, 1, 2], shape=(3,)),
+            ValueError,
+            r"\(B, S\)",
+        ),
         (
             lambda: PackedLayout.from_cu_seqlens([0, 3], [1, 2, 3], shape=(2, 2)),
             ValueError,
@@ -137,3 +194,71 @@ def test_accepts_numpy_and_other_int_dtypes():
 def test_bad_input_errors(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+def _loss_per_document(logits, labels, runs):
+    """Reference "document" loss: mean over documents (row, start, stop) of their token mean."""
+    import torch.nn.functional as F
+
+    per_doc = [
+        F.cross_entropy(logits[b, a : c - 1], labels[b, a + 1 : c]) for b, a, c in runs if c - a > 1
+    ]
+    return torch.stack(per_doc).mean()
+
+
+def test_layout_masks_attention_and_loss_agree_on_documents():
+    """Issue 11: one meaning of "document" for the layout, the masks (both attention paths) and
+    the loss. Ids of any size work; an id naming two runs is refused by the layout, and masks,
+    attention and loss, which accept it, all read it as one document (equality semantics)."""
+    import flexpack
+    from flexpack import masks
+    from flexpack._attention_sdpa import document_groups
+
+    ids = torch.tensor([[7, 7, 2**40, 2**40, 2**40, -1], [2**33, 2**33, 2**33, 2**33, 1, 1]])
+    layout = PackedLayout.from_doc_ids(ids)
+    mask = masks.document(ids) & masks.causal()
+    groups = document_groups(mask.doc_ids).seqlens.tolist()  # ordered by id within a row
+    assert sorted(groups[:2]) + sorted(groups[2:]) == sorted(layout.seqlens.tolist()[:2]) + sorted(
+        layout.seqlens.tolist()[2:]
+    )
+    q, k, v = torch.randn(3, 2, 2, 6, 4, dtype=torch.float64).unbind(0)
+    by_layout = masks.document(layout.doc_ids) & masks.causal()
+    torch.testing.assert_close(
+        flexpack.attention(q, k, v, mask), flexpack.attention(q, k, v, by_layout)
+    )
+    logits = torch.randn(2, 6, 5, dtype=torch.float64)
+    labels = torch.randint(0, 5, (2, 6))
+    runs = [(0, 0, 2), (0, 2, 5), (1, 0, 4), (1, 4, 6)]
+    want = _loss_per_document(logits, labels, runs)
+    for d in (ids, layout.doc_ids):
+        got = flexpack.packed_cross_entropy(logits, labels, d, reduction="document")
+        torch.testing.assert_close(got, want)
+
+    repeated = torch.tensor([[0, 0, 1, 1, 0, 0]])
+    with pytest.raises(ValueError, match="two separate runs"):
+        PackedLayout.from_doc_ids(repeated)
+    one_doc = (repeated[0, :, None] == repeated[0, None, :]).int()
+    dense = masks.document(repeated).mask_mod(0, 0, torch.arange(6)[:, None], torch.arange(6))
+    assert torch.equal(dense.int(), one_doc)
+    assert document_groups(masks.document(repeated).doc_ids).seqlens.tolist() == [4, 2]
+    got = flexpack.packed_cross_entropy(logits[:1], labels[:1], repeated, reduction="document")
+    ce = torch.nn.functional.cross_entropy(logits[0, :-1], labels[0, 1:], reduction="none")
+    want = ((ce[0] + ce[4]) / 2 + ce[2]) / 2  # documents: id 0 (pairs 0-1, 4-5), id 1 (2-3)
+    torch.testing.assert_close(got, want)
+
+
+def test_every_cu_seqlens_maker_refuses_to_wrap(monkeypatch):
+    """Issue 11: the int32 guard is on every path that builds cu_seqlens (layout view, packer
+    fast path, attention's document grouping); shown with the limit lowered to 4 tokens."""
+    from flexpack import layout as layout_mod
+    from flexpack._attention_sdpa import document_groups
+
+    monkeypatch.setattr(layout_mod, "_INT32_MAX", 4)
+    ids = torch.tensor([[0, 0, 0, 1, 1]])
+    with pytest.raises(ValueError, match="int32"):
+        _ = PackedLayout(ids).cu_seqlens
+    with pytest.raises(ValueError, match="int32"):
+        PackedLayout.from_seqlens([[3, 2]])
+    with pytest.raises(ValueError, match="int32"):
+        document_groups(ids)
+    assert PackedLayout.from_seqlens([[3, 1]]).cu_seqlens.tolist() == [0, 3, 4]

@@ -222,3 +222,47 @@ def test_bad_block_mask_arguments() -> None:
             masks.document(D[:1]).block_mask(B=bad_B)
     with pytest.raises(TypeError):
         masks.document(D) & flexpack.document_mask(D)
+
+
+def test_a_mask_keeps_its_own_copy_of_doc_ids() -> None:
+    """Issue 11: the flex path read a snapshot while the SDPA path read the live tensor, so
+    after doc.copy_(...) they disagreed (max diff 1.24). Every path now reads the mask's copy."""
+    live = D.clone()
+    m = masks.document(live) & masks.causal()
+    bm = m.block_mask(block_size=2)
+    live.copy_(torch.tensor([[0] * 8, [-1] * 8]))  # a new layout written into the same tensor
+    assert torch.equal(m.doc_ids, D)
+    want = masks.document(D.clone()) & masks.causal()
+    torch.testing.assert_close(
+        _dense(m.mask_mod, 2, 8), _dense(want.mask_mod, 2, 8), rtol=0, atol=0
+    )
+    assert bm.kv_num_blocks.tolist() == want.block_mask(block_size=2).kv_num_blocks.tolist()
+    q, k, v = torch.randn(3, 2, 2, 8, 4).unbind(0)
+    for backend in ("sdpa", "auto"):
+        got = flexpack.attention(q, k, v, m, backend=backend)
+        torch.testing.assert_close(got, flexpack.attention(q, k, v, want, backend=backend))
+    dense = flexpack.attention(q, k, v, m | ~masks.padding(D), backend="sdpa")  # dense path
+    ref = flexpack.attention(q, k, v, want | ~masks.padding(D), backend="sdpa")
+    torch.testing.assert_close(dense, ref)
+
+
+def test_attention_on_an_empty_batch_is_empty() -> None:
+    """Issue 11: B=0 raised "torch.cat(): expected a non-empty list of Tensors"."""
+    q = torch.randn(0, 2, 4, 8, requires_grad=True)
+    mask = masks.document(torch.tensor([0, 0, 1, 1])) & masks.causal()
+    out = flexpack.attention(q, q, q, mask)
+    assert out.shape == (0, 2, 4, 8)
+    out.sum().backward()
+    assert q.grad.shape == q.shape
+
+
+def test_prefix_lm_hint_names_a_renumbering_that_works() -> None:
+    """Issue 11: the hint said from_doc_ids renumbers, which it did not; now it does, and the
+    message names the exact call."""
+    ids = torch.tensor([[3, 3, 5, 5, 5, -1]])
+    prefix = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"PackedLayout\.from_doc_ids\(doc_ids\)\.doc_ids"):
+        masks.prefix_lm(ids, prefix)
+    fixed = flexpack.PackedLayout.from_doc_ids(ids).doc_ids
+    assert fixed.tolist() == [[0, 0, 1, 1, 1, -1]]
+    assert masks.prefix_lm(fixed, prefix).kind == "prefix_lm"

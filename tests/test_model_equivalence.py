@@ -219,3 +219,10 @@ def test_bad_inputs_get_clear_errors():
         model(ids, doc_ids=torch.zeros(2, 7, dtype=torch.int32))
     with pytest.raises(ValueError, match="n_kv_head"):
         GPTConfig(n_head=4, n_kv_head=3)
+
+
+def test_default_positions_match_the_layout():
+    batch, _ = pack(random_samples(8))
+    from flexpack.models.gpt import _positions_in_runs
+
+    assert torch.equal(_positions_in_runs(batch.doc_ids), batch.position_ids)

@@ -219,3 +219,19 @@ def test_huge_max_len():
     assert pack([5, 3], 2**31, strategy="greedy").num_rows == 1
     with pytest.raises(ValueError, match="use strategy='ffd'"):
         pack([5, 3], 2**31)
+
+
+@pytest.mark.parametrize("overflow", ["drop", "truncate"])
+def test_stats_never_wrap_int64(overflow):
+    """Issue 11: pack([2**62] * 3, 8, overflow="drop").stats had negative tokens and dropped."""
+    s = pack([2**62] * 3, 8, overflow=overflow).stats
+    assert s.tokens == 3 * 2**62
+    assert s.tokens == s.placed + s.truncated + s.dropped
+    assert min(s.tokens, s.placed, s.truncated, s.dropped) >= 0
+
+
+@pytest.mark.parametrize("lengths", [np.array([3, 2**63], dtype=np.uint64), [3, 2**63], [3, 2**64]])
+def test_lengths_past_int64_are_refused(lengths):
+    """Issue 11: uint64 lengths >= 2**63 became negative ("lengths must be >= 0; got -922...")."""
+    with pytest.raises(ValueError, match=r"lengths\[1\] = \d+ does not fit int64"):
+        pack(lengths, 8, overflow="drop")

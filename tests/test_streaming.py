@@ -85,8 +85,10 @@ def test_bfd_buffer_improves_fill_and_bounds_memory():
     assert fills[64] < 0.9 * fills[1]
 
 
-@pytest.mark.parametrize("strategy", ["greedy", "wrap"])
-def test_memory_stays_bounded_over_a_long_stream(strategy):
+@pytest.mark.parametrize(
+    ("strategy", "sync"), [("greedy", False), ("wrap", False), ("bfd", True), ("wrap", True)]
+)
+def test_memory_stays_bounded_over_a_long_stream(strategy, sync):
     # A bookkeeping entry per sample seen, never freed, once made memory grow with the stream.
     import tracemalloc
 
@@ -94,7 +96,8 @@ def test_memory_stays_bounded_over_a_long_stream(strategy):
         def __iter__(self):
             return ([7, 8, 9] for _ in range(30_000))
 
-    ds = PackedIterableDataset(Stream(), 64, strategy=strategy)
+    kw = dict(rank=1, world_size=2, sync_ranks=True) if sync else {}
+    ds = PackedIterableDataset(Stream(), 64, strategy=strategy, buffer_size=256, **kw)
     it = iter(ds)
     next(it)
     tracemalloc.start()
@@ -177,11 +180,13 @@ def test_resume_through_dataloader_num_workers_0():
     assert all(torch.equal(a, b) for a, b in zip(head + rest, full, strict=True))
 
 
-def test_resume_with_two_workers_stateful_dataloader():
+@pytest.mark.parametrize("sync", [False, True])
+def test_resume_with_two_workers_stateful_dataloader(sync):
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
     samples = make_samples(120, 16, seed=6)
     kw = dict(batch_size=2, num_workers=2, collate_fn=collate)
-    make = lambda: PackedIterableDataset(samples, 16, buffer_size=8)
+    ranks = dict(rank=1, world_size=2, sync_ranks=True) if sync else {}
+    make = lambda: PackedIterableDataset(samples, 16, buffer_size=8, **ranks)
     full = [b.input_ids for b in sdl.StatefulDataLoader(make(), **kw)]
     loader = sdl.StatefulDataLoader(make(), **kw)
     it = iter(loader)
@@ -297,3 +302,247 @@ def test_per_sample_labels_are_kept(strategy):
     assert seen == 11
     with pytest.raises(ValueError, match="labels"):
         list(PackedIterableDataset([{"input_ids": [1, 2], "labels": [1]}], 4, buffer_size=1))
+
+
+def test_wrap_truncate_matches_pack():
+    # strategy="wrap" ignored overflow="truncate" (the whole sample was wrapped) while
+    # flexpack.pack cuts each sample to max_len first, then wraps. One meaning for both.
+    from flexpack import pack_sequences
+
+    samples = [list(range(10)), [20, 21], list(range(30, 55)), [60, 61, 62]]
+    ds = PackedIterableDataset(samples, 8, strategy="wrap", overflow="truncate")
+    got = [(r.input_ids[0].tolist(), r.doc_ids[0].tolist()) for r in ds]
+    ref = pack_sequences(samples, 8, strategy="wrap", overflow="truncate")
+    want = list(zip(ref.input_ids.tolist(), ref.doc_ids.tolist(), strict=True))
+    assert got == want
+    assert tokens_of(rows_of(ds)) == Counter(t for s in samples for t in s[:8])
+
+
+@pytest.mark.parametrize(
+    ("state", "match"),
+    [
+        ({"version": 1}, "missing"),
+        ({"version": 99}, "version"),
+        ("not a state", "Mapping|dict"),
+        (None, "Mapping|dict"),
+    ],
+)
+def test_malformed_state_is_a_clear_error(state, match):
+    ds = PackedIterableDataset([[1, 2], [3]], 4, buffer_size=2)
+    with pytest.raises(ValueError, match=match) as info:
+        ds.load_state_dict(state)
+    assert "state_dict()" in str(info.value)
+
+
+def test_malformed_state_fields_are_clear_errors():
+    ds = PackedIterableDataset([[1, 2], [3]], 4, buffer_size=2)
+    good = ds.state_dict()
+    for key, value in [
+        ("position", -1),
+        ("position", "3"),
+        ("pending", [[0, 1]]),
+        ("pending", 5),
+        ("rows_emitted", None),
+    ]:
+        with pytest.raises(ValueError, match=key):
+            ds.load_state_dict({**good, key: value})
+
+
+# -- sync_ranks: every rank the same number of rows, every token once ---------------------------
+
+
+def _sync_ranks(src, world: int, **kw) -> list[list]:
+    """Rows of every simulated rank (rank=r, world_size=world), as rows_of tuples."""
+    return [
+        rows_of(PackedIterableDataset(src, 16, rank=r, world_size=world, sync_ranks=True, **kw))
+        for r in range(world)
+    ]
+
+
+def _interleave(per_rank: list[list]) -> list:
+    """Global rows back in plan order: row t is rank t % W's row t // W."""
+    world = len(per_rank)
+    return [per_rank[t % world][t // world] for t in range(sum(map(len, per_rank)))]
+
+
+@pytest.mark.parametrize("strategy", ["bfd", "greedy", "wrap"])
+@pytest.mark.parametrize("source", [list, Stream])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_sync_ranks_equal_rows_every_token_once(strategy, source, world):
+    samples = make_samples(61, 16, seed=3)
+    kw = dict(buffer_size=8, strategy=strategy, overflow="split")
+    per_rank = _sync_ranks(source(samples), world, **kw)
+    assert len({len(rows) for rows in per_rank}) == 1  # the point: ranks stay in step
+    flat = _interleave(per_rank)
+    single = rows_of(PackedIterableDataset(samples, 16, **kw))
+    # the global plan is the single-process plan, plus at most world - 1 empty rows at the end
+    assert flat[: len(single)] == single
+    empty = (tuple([0] * 16), tuple([-1] * 16))
+    assert flat[len(single) :] == [empty] * ((-len(single)) % world)
+    assert tokens_of(flat) == Counter(t for s in samples for t in s)
+
+
+def test_sync_ranks_padding_rows_are_counted_and_epochs_repeat():
+    samples = make_samples(10, 16, seed=4)
+    single = len(list(PackedIterableDataset(samples, 16, buffer_size=4)))
+    world = 4
+    assert single % world  # the tail needs padding rows
+    sets = [
+        PackedIterableDataset(samples, 16, buffer_size=4, rank=r, world_size=world, sync_ranks=True)
+        for r in range(world)
+    ]
+    for _ in range(2):  # epoch after epoch
+        counts = [len(list(ds)) for ds in sets]
+        assert counts == [-(-single // world)] * world
+        assert sum(ds.stats.padding_rows for ds in sets) == (-single) % world
+        assert [ds.stats.rows for ds in sets] == counts
+    ranks_empty = [
+        PackedIterableDataset([], 16, rank=r, world_size=world, sync_ranks=True)
+        for r in range(world)
+    ]
+    assert [len(list(ds)) for ds in ranks_empty] == [0] * world
+
+
+def test_sync_ranks_hf_dataset_reads_lengths_from_arrow_and_keeps_labels():
+    datasets = pytest.importorskip("datasets")
+    samples = make_samples(40, 24, seed=8)
+    labels = [[-100] * (len(s) // 2) + s[len(s) // 2 :] for s in samples]
+    hf = datasets.Dataset.from_dict({"input_ids": samples, "labels": labels, "text": ["t"] * 40})
+    kw = dict(buffer_size=4, overflow="split")
+    per_rank = _sync_ranks(hf, 3, **kw)
+    assert len({len(rows) for rows in per_rank}) == 1
+    single = rows_of(PackedIterableDataset(samples, 16, **kw))
+    assert _interleave(per_rank)[: len(single)] == single
+    label_of = {
+        t: lab for s, ls in zip(samples, labels, strict=True) for t, lab in zip(s, ls, strict=True)
+    }
+    for r in range(3):
+        ds = PackedIterableDataset(hf, 16, rank=r, world_size=3, sync_ranks=True, **kw)
+        for row in ds:
+            ids, lab, doc = row.input_ids[0].tolist(), row.labels[0].tolist(), row.doc_ids[0]
+            for j in range(16):
+                if doc[j] >= 0 and j and doc[j - 1] == doc[j]:
+                    assert lab[j] == label_of[ids[j]]
+    ds = PackedIterableDataset(hf, 16, rank=1, world_size=3, sync_ranks=True, **kw)
+    it = iter(ds)
+    head = [next(it) for _ in range(3)]
+    again = PackedIterableDataset(hf, 16, rank=1, world_size=3, sync_ranks=True, **kw)
+    again.load_state_dict(ds.state_dict())
+    assert rows_of(head) + rows_of(again) == per_rank[1]
+    nulls = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, None, 5]]})
+    with pytest.raises(ValueError, match="stream item 1 has a null inside"):
+        list(PackedIterableDataset(nulls, 16, rank=0, world_size=2, sync_ranks=True))
+    nulls = datasets.Dataset.from_dict({"input_ids": [[1, 2], None]})
+    with pytest.raises(ValueError, match="stream item 1 has a null 'input_ids'"):
+        list(PackedIterableDataset(nulls, 16, rank=0, world_size=2, sync_ranks=True))
+    bad = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3]], "labels": [[1, 2]]})
+    with pytest.raises(ValueError, match="stream item 0 has 3 input_ids but 2 labels"):
+        list(PackedIterableDataset(bad, 16, rank=0, world_size=2, sync_ranks=True))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_sync_ranks_dataloader_workers_equal_steps(workers):
+    samples = make_samples(70, 32, seed=2)
+    steps, toks = [], Counter()
+    for rank in range(3):
+        ds = PackedIterableDataset(
+            samples, 32, buffer_size=8, rank=rank, world_size=3, sync_ranks=True
+        )
+        loader = torch.utils.data.DataLoader(
+            ds, batch_size=2, num_workers=workers, collate_fn=collate
+        )
+        batches = list(loader)
+        steps.append(len(batches))
+        for b in batches:
+            for ids, dd in zip(b.input_ids.tolist(), b.doc_ids.tolist(), strict=True):
+                toks.update(t for t, d in zip(ids, dd, strict=True) if d >= 0)
+    assert len(set(steps)) == 1
+    assert toks == Counter(t for s in samples for t in s)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=0, max_size=40),
+    strategy=st.sampled_from(["bfd", "greedy", "wrap"]),
+    buffer_size=st.integers(1, 10),
+    world=st.integers(1, 4),
+    indexable=st.booleans(),
+    data=st.data(),
+)
+def test_sync_ranks_property(lengths, strategy, buffer_size, world, indexable, data):
+    starts = np.cumsum([0, *lengths])[:-1].tolist()
+    samples = [list(range(s, s + k)) for s, k in zip(starts, lengths, strict=True)]
+    src = samples if indexable else Stream(samples)
+    kw = dict(buffer_size=buffer_size, strategy=strategy, overflow="split")
+    per_rank = _sync_ranks(src, world, **kw)
+    assert len({len(rows) for rows in per_rank}) == 1
+    assert tokens_of(_interleave(per_rank)) == Counter(t for s in samples for t in s)
+    # a resume in the middle of one rank gives the same continuation
+    rank = data.draw(st.integers(0, world - 1), label="rank")
+    stop = data.draw(st.integers(0, len(per_rank[rank])), label="stop")
+    make = lambda: PackedIterableDataset(
+        src, 16, rank=rank, world_size=world, sync_ranks=True, **kw
+    )
+    ds = make()
+    it = iter(ds)
+    head = [next(it) for _ in range(stop)]
+    again = make()
+    again.load_state_dict(ds.state_dict())
+    assert rows_of(head) + rows_of(again) == per_rank[rank]
+    assert again.stats.rows == len(per_rank[rank])
+
+
+def test_sync_ranks_state_checks():
+    state = PackedIterableDataset([[1]], 8, rank=0, world_size=2, sync_ranks=True).state_dict()
+    with pytest.raises(ValueError, match="sync_ranks=True"):
+        PackedIterableDataset([[1]], 8, rank=0, world_size=2).load_state_dict(state)
+    other = PackedIterableDataset([[1]], 8, rank=0, world_size=1, sync_ranks=True)
+    other.load_state_dict({**state, "num_readers": 1})
+    with pytest.raises(ValueError, match="world_size=2"):
+        list(other)
+
+
+def test_labels_column_names_the_labels_and_none_ignores_them():
+    samples = [
+        {"input_ids": [1, 2, 3, 4], "target": [-100, -100, 3, 4], "labels": [9, 9, 9, 9]},
+        {"input_ids": [5, 6, 7]},  # no labels: labelled by its tokens
+    ]
+
+    def labels(**kw):
+        (row,) = list(PackedIterableDataset(samples, 8, **kw))
+        return row.labels[0].tolist()
+
+    assert labels(labels_column="target") == [-100, -100, 3, 4, -100, 6, 7, -100]
+    assert labels() == [-100, 9, 9, 9, -100, 6, 7, -100]  # default "labels"
+    assert labels(labels_column=None) == [-100, 2, 3, 4, -100, 6, 7, -100]
+    with pytest.raises(ValueError, match="also the token column"):
+        PackedIterableDataset(samples, 8, labels_column="input_ids")
+    with pytest.raises(TypeError, match="labels_column must be a str or None"):
+        PackedIterableDataset(samples, 8, labels_column=3)
+    bad = [[1], {"input_ids": [1, 2, 3], "target": [1, 2]}]
+    with pytest.raises(ValueError, match="stream item 1 has 3 input_ids but 2 labels"):
+        list(PackedIterableDataset(bad, 8, labels_column="target"))
+    with pytest.raises(ValueError, match="stream item 1 has 3 input_ids but 2 labels"):
+        list(PackedIterableDataset(bad, 8, labels_column="target", rank=1, world_size=2))
+
+
+def test_truncate_is_counted_in_stats():
+    samples = [list(range(10)), [20, 21], list(range(30, 55))]
+    for strategy in ("bfd", "greedy", "wrap"):
+        ds = PackedIterableDataset(
+            samples, 8, buffer_size=2, strategy=strategy, overflow="truncate"
+        )
+        rows = rows_of(ds)
+        assert sum(tokens_of(rows).values()) + ds.stats.truncated == 37
+        assert (ds.stats.truncated, ds.stats.truncated_samples) == (2 + 17, 2)
+
+
+def test_docs_streaming_md():
+    """The examples in docs/streaming.md run as written."""
+    import doctest
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "streaming.md"
+    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
+    result = doctest.testfile(str(path), module_relative=False, optionflags=flags)
+    assert result.attempted > 10 and result.failed == 0

@@ -4,8 +4,10 @@
 - ``DistributedPackedSampler`` / ``PackedDataset.shard`` / ``shard_rows``: equal row counts per
   rank, every row once per epoch (remainder chosen by the user), tokens balanced per step.
 - ``PackedIterableDataset``: streaming with a bounded buffer and exact mid-epoch resume.
-- ``collate``: rows -> ``PackedBatch`` (DataLoader ``collate_fn``); ``collate_with_mask`` also
-  builds the BlockMask in the worker (``MaskedBatch``).
+- ``collate``: rows -> ``PackedBatch`` (DataLoader ``collate_fn``); pads unpadded rows
+  (``input_ids`` + ``seqlens``, as ``pack_dataset`` stores them) to ``max_len`` and rebuilds their
+  layout; ``collate_with_mask`` also builds the BlockMask in the worker (``MaskedBatch``).
+- Per-token labels (``labels_column``, e.g. -100 on prompts) are kept on every path.
 
 Hugging Face datasets and Ray live in ``flexpack.integrations.datasets`` / ``.ray``.
 """

@@ -8,6 +8,7 @@ column, a Hugging Face ``datasets.Dataset`` column) behind three operations: ``l
 
 from __future__ import annotations
 
+import functools
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -58,9 +59,13 @@ def _is_hf_dataset(obj: Any) -> bool:
 
 
 class SequenceSource:
-    """Any indexable of token sequences: list, tuple, numpy object or 2-D int array, tensor list."""
+    """Any indexable of token sequences: list, tuple, numpy object or 2-D int array, tensor list;
+    or of dicts holding them under ``column`` (default ``"input_ids"``), with per-token labels
+    under ``labels_column`` when a dict has that key."""
 
-    def __init__(self, samples: Any) -> None:
+    def __init__(
+        self, samples: Any, column: str | None = None, labels_column: str | None = None
+    ) -> None:
         if isinstance(samples, (str, bytes, Mapping)) or not hasattr(samples, "__getitem__"):
             raise TypeError(
                 f"samples is a {type(samples).__name__}, expected an indexable of token sequences "
@@ -68,9 +73,28 @@ class SequenceSource:
                 "column); for a generator use PackedIterableDataset."
             )
         self.samples = samples
+        self.column = column
+        self.labels_column = labels_column
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def _ids_and_labels(self, x: Any, i: int) -> tuple[Any, Any]:
+        if not isinstance(x, Mapping):
+            if self.column is not None:
+                raise TypeError(
+                    f"samples[{i}] is a {type(x).__name__}, but column={self.column!r} selects a "
+                    "key of dict samples; drop column=... for plain token sequences."
+                )
+            return x, None
+        key = self.column or "input_ids"
+        if key not in x:
+            raise ValueError(
+                f"samples[{i}] is a dict with keys {sorted(x)[:8]}, without {key!r}; pass "
+                "column=<key of the token ids> (and labels_column=<key of the labels>)."
+            )
+        lab = x.get(self.labels_column) if self.labels_column is not None else None
+        return x[key], lab
 
     def lengths(self) -> np.ndarray:
         s = self.samples
@@ -83,105 +107,330 @@ class SequenceSource:
             return np.full(len(s), s.shape[1], dtype=np.int64)
         out = np.empty(len(s), dtype=np.int64)
         for i in range(len(s)):
-            x = s[i]
-            if isinstance(x, Mapping):  # as_tokens' "column=" hint is for streams, not lists
-                raise TypeError(
-                    f"samples[{i}] is a {type(x).__name__} with keys {sorted(x)[:8]}, expected a "
-                    'token sequence: pass [s["input_ids"] for s in samples], or a '
-                    "datasets.Dataset / pyarrow.Table of them with column=<token column>."
-                )
+            x, lab = self._ids_and_labels(s[i], i)
             if isinstance(x, (str, bytes)) or not hasattr(x, "__len__"):
                 as_tokens(x, f"samples[{i}]")  # raises the TypeError
             if i == 0 or isinstance(x, np.ndarray):
                 as_tokens(x, f"samples[{i}]")  # dtype check: first sample and all arrays
             out[i] = len(x)
+            if lab is not None:
+                check_label_length(i, out[i], len(lab), self.labels_column)
         return out
 
     def take(self, indices: np.ndarray) -> list[np.ndarray]:
-        return [as_tokens(self.samples[int(i)], f"samples[{int(i)}]") for i in indices]
+        """The token arrays of samples ``indices``."""
+        return [
+            as_tokens(self._ids_and_labels(self.samples[int(i)], int(i))[0], f"samples[{int(i)}]")
+            for i in indices
+        ]
+
+    def take_items(self, indices: np.ndarray) -> list[Any]:
+        """Samples ``indices`` as ``PackPlan.materialize`` reads them: token arrays, or dicts with
+        ``input_ids`` and ``labels`` where a sample has labels."""
+        out: list[Any] = []
+        for i in indices:
+            i = int(i)
+            ids, lab = self._ids_and_labels(self.samples[i], i)
+            ids = as_tokens(ids, f"samples[{i}]")
+            if lab is None:
+                out.append(ids)
+            else:
+                lab = as_tokens(lab, f"labels of samples[{i}]")
+                check_label_length(i, len(ids), len(lab), self.labels_column)
+                out.append({"input_ids": ids, "labels": lab})
+        return out
+
+
+def check_label_length(i: int, n_ids: int, n_labels: int, labels_column: Any) -> None:
+    if n_ids != n_labels:
+        raise ValueError(
+            f"sample {i} has {n_ids} input_ids but {n_labels} labels; they must have the same "
+            f"length (one label per token, -100 where no loss). Fix that sample, or pass "
+            f"labels_column=None to ignore the {labels_column!r} labels."
+        )
+
+
+def _first(mask: Any) -> int:
+    return int(np.flatnonzero(np.asarray(mask, dtype=bool))[0])
+
+
+def check_list_chunk(chunk: Any, name: str, base: int = 0) -> np.ndarray:
+    """(n,) int64 lengths of one Arrow ``list<int>`` array, after checking that no row is null,
+    no token is null and no uint64 value exceeds int64 (rows named from ``base``)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if chunk.null_count:
+        row = base + _first(pc.is_null(chunk))
+        raise ValueError(
+            f"{name} row {row} is null (no token list); drop or fill null rows first (for a "
+            "datasets.Dataset: ds.filter(lambda x: x[<that column>] is not None))."
+        )
+    values = pc.list_flatten(chunk)
+    if values.null_count:
+        where = np.asarray(pc.list_parent_indices(chunk))[_first(pc.is_null(values))]
+        raise ValueError(
+            f"{name} row {base + int(where)} holds a null token (None inside its list); "
+            "token ids must all be integers: fix or drop that row."
+        )
+    if pa.types.is_uint64(values.type) and len(values) and pc.max(values).as_py() >= 2**63:
+        row = base + int(
+            np.asarray(pc.list_parent_indices(chunk))[
+                _first(pc.greater_equal(values, pa.scalar(2**63, pa.uint64())))
+            ]
+        )
+        raise ValueError(
+            f"{name} row {row} holds a uint64 token id >= 2**63; flexpack stores token ids as "
+            "int64: map the ids below 2**63 first."
+        )
+    return np.asarray(pc.list_value_length(chunk), dtype=np.int64)
+
+
+def value_range(chunk: Any) -> tuple[int, int]:
+    """(min, max) of the values of one Arrow list array; (0, 0) when it has none."""
+    import pyarrow.compute as pc
+
+    values = pc.list_flatten(chunk)
+    if len(values) == 0:
+        return 0, 0
+    mm = pc.min_max(values)
+    return int(mm["min"].as_py()), int(mm["max"].as_py())
+
+
+def _chunks(col: Any) -> list[Any]:
+    import pyarrow as pa
+
+    return list(col.chunks) if isinstance(col, pa.ChunkedArray) else [col]
+
+
+def _check_list_type(typ: Any, name: str, labels: bool = False) -> None:
+    import pyarrow as pa
+
+    if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not (
+        pa.types.is_integer(typ.value_type)
+    ):
+        if labels:
+            raise TypeError(
+                f"{name} has Arrow type {typ}, expected list<int> (one label per token); pass "
+                "labels_column=None to ignore it, or the name of the per-token labels column."
+            )
+        raise TypeError(
+            f"{name} has Arrow type {typ}, expected list<int> (token ids); tokenize it first."
+        )
 
 
 class ArrowSource:
-    """A pyarrow ``list<int>`` Array or ChunkedArray; lengths come from the list offsets."""
+    """A pyarrow ``list<int>`` Array or ChunkedArray; lengths come from the list offsets.
 
-    def __init__(self, column: Any, name: str = "column") -> None:
-        import pyarrow as pa
+    ``labels`` is an optional second ``list<int>`` column of the same rows (per-token labels)."""
 
-        typ = column.type
-        if not (pa.types.is_list(typ) or pa.types.is_large_list(typ)) or not (
-            pa.types.is_integer(typ.value_type)
-        ):
-            raise TypeError(
-                f"{name} has Arrow type {typ}, expected list<int> (token ids); tokenize it first."
-            )
+    def __init__(
+        self, column: Any, name: str = "column", labels: Any = None, labels_name: str = "labels"
+    ) -> None:
+        _check_list_type(column.type, name)
+        if labels is not None:
+            _check_list_type(labels.type, f"column {labels_name!r}", labels=True)
         self.column = column
         self.name = name
+        self.labels = labels
+        self.labels_name = labels_name
+        self.value_range = (0, 0)  # (min, max) of the token ids (and labels), set by lengths()
 
     def __len__(self) -> int:
         return len(self.column)
 
-    def lengths(self) -> np.ndarray:
-        import pyarrow.compute as pc
-
-        if self.column.null_count:
-            raise ValueError(
-                f"{self.name} has {self.column.null_count} null rows; drop them first."
-            )
-        return np.asarray(pc.list_value_length(self.column), dtype=np.int64)
+    def lengths(self, scan_values: bool = False) -> np.ndarray:
+        """All lengths, checking rows for nulls and labels for their length; with
+        ``scan_values`` also records ``value_range`` (a pass over every token)."""
+        parts, lo, hi, base = [], 0, 0, 0
+        for chunk in _chunks(self.column):
+            parts.append(check_list_chunk(chunk, self.name, base))
+            a, b = value_range(chunk) if scan_values else (0, 0)
+            lo, hi, base = min(lo, a), max(hi, b), base + len(chunk)
+        lengths = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        if self.labels is not None:
+            lab, base = [], 0
+            for chunk in _chunks(self.labels):
+                lab.append(check_list_chunk(chunk, f"column {self.labels_name!r}", base))
+                a, b = value_range(chunk) if scan_values else (0, 0)
+                lo, hi, base = min(lo, a), max(hi, b), base + len(chunk)
+            labels = np.concatenate(lab) if lab else lengths[:0]
+            check_labels(lengths, labels, 0, self.labels_name)
+        self.value_range = (lo, hi)
+        return lengths
 
     def take(self, indices: np.ndarray) -> list[np.ndarray]:
         return split_list_array(self.column.take(np.asarray(indices, dtype=np.int64)))
 
+    def take_items(self, indices: np.ndarray) -> list[Any]:
+        return items_of(self.take(indices), self.labels, indices)
+
+
+def check_labels(lengths: np.ndarray, label_lengths: np.ndarray, base: int, column: Any) -> None:
+    bad = np.flatnonzero(lengths != label_lengths)
+    if len(bad):
+        i = int(bad[0])
+        check_label_length(base + i, int(lengths[i]), int(label_lengths[i]), column)
+
+
+def items_of(tokens: list[np.ndarray], labels: Any, indices: np.ndarray) -> list[Any]:
+    if labels is None:
+        return list(tokens)
+    labs = split_list_array(labels.take(np.asarray(indices, dtype=np.int64)))
+    return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labs, strict=True)]
+
 
 def split_list_array(arr: Any) -> list[np.ndarray]:
     """A pyarrow list array (or chunked) as a list of int64 numpy arrays, through its offsets."""
+    offsets, values = flat_list_array(arr)
+    return [values[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+def flat_list_array(arr: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A pyarrow list array (or chunked) as (offsets (n + 1,) int64 from 0, values int64)."""
     import pyarrow as pa
 
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks() if arr.num_chunks != 1 else arr.chunk(0)
     offsets = np.asarray(arr.offsets, dtype=np.int64)
-    values = np.asarray(arr.values.to_numpy(zero_copy_only=False), dtype=np.int64)
-    values = values[offsets[0] : offsets[-1]]
-    offsets = offsets - offsets[0]
-    return [values[offsets[i] : offsets[i + 1]] for i in range(len(arr))]
+    # a slice's .values is its parent's whole buffer: convert only the referenced range
+    used = arr.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+    values = np.asarray(used.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return offsets - offsets[0], values
 
 
 class HFSource:
-    """One column of a Hugging Face ``datasets.Dataset``, read through Arrow (no per-row Python)."""
+    """One column of a Hugging Face ``datasets.Dataset``, read through Arrow (no per-row Python),
+    and its per-token labels from ``labels_column`` when the dataset has that column."""
 
-    def __init__(self, ds: Any, column: str) -> None:
+    def __init__(self, ds: Any, column: str, labels_column: str | None = None) -> None:
         if column not in ds.column_names:
             raise ValueError(
                 f"column {column!r} is not in the dataset; it has columns {ds.column_names}. "
                 "Pass column=<name of the token-id column>."
             )
-        self.ds = ds.with_format("arrow", columns=[column])
+        if labels_column == column or labels_column not in ds.column_names:
+            labels_column = None
+        cols = [column] + ([labels_column] if labels_column else [])
+        self.ds = ds.with_format("arrow", columns=cols)
         self.column = column
-        ArrowSource(self.ds.data.column(column), f"column {column!r}")  # type check
+        self.labels_column = labels_column
+        self.value_range = (0, 0)
+        _check_list_type(self.ds.data.column(column).type, f"column {column!r}")
+        if labels_column:
+            typ = self.ds.data.column(labels_column).type
+            _check_list_type(typ, f"column {labels_column!r}", labels=True)
 
     def __len__(self) -> int:
         return len(self.ds)
 
-    def lengths(self, batch_size: int = 1 << 16) -> np.ndarray:
-        import pyarrow.compute as pc
-
-        parts = [
-            np.asarray(pc.list_value_length(tbl.column(self.column)), dtype=np.int64)
-            for tbl in self.ds.iter(batch_size=batch_size)
-        ]
+    def lengths(self, batch_size: int = 1 << 16, scan_values: bool = False) -> np.ndarray:
+        """All lengths, checking rows for nulls and labels for their length on the way; with
+        ``scan_values`` also records ``value_range``, the (min, max) of the ids and labels."""
+        parts, lo, hi, base = [], 0, 0, 0
+        for tbl in self.ds.iter(batch_size=batch_size):
+            mine, n = [], 0
+            for chunk in _chunks(tbl.column(self.column)):
+                mine.append(check_list_chunk(chunk, f"column {self.column!r}", base + n))
+                a, b = value_range(chunk) if scan_values else (0, 0)
+                lo, hi, n = min(lo, a), max(hi, b), n + len(chunk)
+            parts += mine
+            if self.labels_column:
+                lab, m = [], 0
+                for chunk in _chunks(tbl.column(self.labels_column)):
+                    lab.append(check_list_chunk(chunk, f"column {self.labels_column!r}", base + m))
+                    a, b = value_range(chunk) if scan_values else (0, 0)
+                    lo, hi, m = min(lo, a), max(hi, b), m + len(chunk)
+                check_labels(np.concatenate(mine), np.concatenate(lab), base, self.labels_column)
+            base += n
+        self.value_range = (lo, hi)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_views", None)  # numpy views of memory-mapped buffers: rebuilt per process
+        return state
+
+    def flat_views(self, column: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
+        """Zero-copy access to a column's tokens where the dataset allows it (no indices
+        mapping, integer values without nulls): ``(chunk_of (N,) int64, start_of (N,) int64,
+        values)``, sample i's tokens being ``values[chunk_of[i]][start_of[i]:][:length]``.
+        The values are numpy views of the (memory-mapped) Arrow buffers: reading a sample's
+        tokens touches only its pages. None when not possible (then use ``take_table``)."""
+        views = self.__dict__.setdefault("_views", {})
+        if column not in views:
+            views[column] = self._make_views(column)
+        return views[column]
+
+    def _make_views(self, column: str) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]] | None:
+        if self.ds._indices is not None:
+            return None
+        chunks = _chunks(self.ds.data.column(column))
+        values, chunk_of, start_of = [], [], []
+        for c, chunk in enumerate(chunks):
+            try:
+                values.append(chunk.values.to_numpy(zero_copy_only=True))
+            except Exception:  # nulls, or a type numpy cannot view: take instead
+                return None
+            off = np.asarray(chunk.offsets, dtype=np.int64)[:-1]
+            start_of.append(off)
+            chunk_of.append(np.full(len(off), c, dtype=np.int64))
+        if not values:
+            return None
+        return np.concatenate(chunk_of), np.concatenate(start_of), values
+
+    def take_table(self, indices: np.ndarray) -> Any:
+        """A pyarrow Table of samples ``indices``: the token column, then the labels column."""
+        return self.ds[[int(i) for i in indices]]
 
     def take(self, indices: np.ndarray) -> list[np.ndarray]:
         if len(indices) == 0:
             return []
-        tbl = self.ds[[int(i) for i in indices]]
-        return split_list_array(tbl.column(self.column))
+        return split_list_array(self.take_table(indices).column(self.column))
+
+    def take_items(self, indices: np.ndarray) -> list[Any]:
+        if len(indices) == 0:
+            return []
+        tbl = self.take_table(indices)
+        tokens = split_list_array(tbl.column(self.column))
+        if not self.labels_column:
+            return tokens
+        labs = split_list_array(tbl.column(self.labels_column))
+        return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labs, strict=True)]
 
 
-def as_source(samples: Any, column: str | None) -> SequenceSource | ArrowSource | HFSource:
-    """Pick the source for ``samples``; ``column`` selects the token column of a table."""
+@functools.cache
+def _copy_kernel() -> Any:
+    """A compiled copy of many token runs (numba, compiled on first use and cached on disk,
+    like flexpack._kernels): ``out[dst[j]:][:n[j]] = values[src[j]:][:n[j]]``."""
+    from numba import njit
+
+    @njit(cache=True, nogil=True)
+    def copy_runs(values, src, dst, lengths, out):  # pragma: no cover - compiled
+        for j in range(src.shape[0]):
+            s = src[j]
+            d = dst[j]
+            for k in range(lengths[j]):
+                out[d + k] = values[s + k]
+
+    return copy_runs
+
+
+def copy_runs(
+    values: np.ndarray, src: np.ndarray, dst: np.ndarray, lengths: np.ndarray, out: np.ndarray
+) -> None:
+    """Copy run j, ``values[src[j]:src[j] + lengths[j]]``, to ``out[dst[j]:...]`` (cast to
+    ``out``'s dtype); one compiled pass, no temporaries the size of the tokens."""
+    _copy_kernel()(values, src, dst, lengths, out)
+
+
+def as_source(
+    samples: Any, column: str | None, labels_column: str | None = None
+) -> SequenceSource | ArrowSource | HFSource:
+    """Pick the source for ``samples``; ``column`` selects the token column of a table (or key of
+    dict samples), ``labels_column`` the per-token labels where present (None: none)."""
     if _is_hf_dataset(samples):
-        return HFSource(samples, column or "input_ids")
+        return HFSource(samples, column or "input_ids", labels_column)
     if _is_arrow(samples):
         if hasattr(samples, "column_names"):  # pa.Table
             if (column or "input_ids") not in samples.column_names:
@@ -189,14 +438,14 @@ def as_source(samples: Any, column: str | None) -> SequenceSource | ArrowSource 
                     f"column {column or 'input_ids'!r} is not in the table; it has columns "
                     f"{samples.column_names}. Pass column=<name of the token-id column>."
                 )
-            return ArrowSource(samples.column(column or "input_ids"), repr(column or "input_ids"))
+            labels = None
+            if labels_column is not None and labels_column in samples.column_names:
+                labels = samples.column(labels_column)
+            name = repr(column or "input_ids")
+            col = samples.column(column or "input_ids")
+            return ArrowSource(col, name, labels, labels_column or "labels")
         return ArrowSource(samples, "samples")
-    if column is not None:
-        raise ValueError(
-            f"column={column!r} given but samples is a {type(samples).__name__}; column selects "
-            "a column of a datasets.Dataset or pyarrow.Table. Drop column=... for plain sequences."
-        )
-    return SequenceSource(samples)
+    return SequenceSource(samples, column, labels_column)
 
 
 def row_columns(batch: Any) -> dict[str, np.ndarray]:

@@ -1,4 +1,9 @@
-"""Collate packed rows into one PackedBatch (DataLoader ``collate_fn``)."""
+"""Collate packed rows into one PackedBatch (DataLoader ``collate_fn``).
+
+Rows come padded ((S,) per field, as ``PackedDataset`` yields them) or unpadded (a row's tokens
+(T_r,) plus its document lengths ``seqlens`` (k_r,), as ``pack_dataset`` stores them); unpadded
+rows are padded here, the layout rebuilt from ``seqlens`` by one compiled pass.
+"""
 
 from __future__ import annotations
 
@@ -6,48 +11,178 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
+_PADDED = ("input_ids", "labels", "doc_ids")
+_INT32 = (-(2**31), 2**31 - 1)
 
-def _row_tensors(row: Any, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def _as_array(x: Any, what: str) -> np.ndarray:
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.dtype.kind not in "iu":
+        raise TypeError(f"{what} has dtype {arr.dtype}, expected integers.")
+    return arr
+
+
+def _dense_doc_ids(doc_ids: np.ndarray) -> np.ndarray:
+    """(R, S) doc ids as int32 with the same meaning: ids that do not fit int32 are renumbered
+    per row by rank (equal ids stay equal, order is kept, negative ids stay -1 padding)."""
+    lo, hi = (int(doc_ids.min()), int(doc_ids.max())) if doc_ids.size else (0, 0)
+    if _INT32[0] <= lo and hi <= _INT32[1]:
+        return doc_ids.astype(np.int32)
+    out = np.full(doc_ids.shape, -1, dtype=np.int32)
+    for r in range(doc_ids.shape[0]):  # one np.unique per row, no Python per token
+        real = doc_ids[r] >= 0
+        _, rank = np.unique(doc_ids[r][real], return_inverse=True)
+        out[r][real] = rank
+    return out
+
+
+def _padded_row(row: Any, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     if isinstance(row, Mapping):
-        missing = [k for k in ("input_ids", "labels", "doc_ids") if k not in row]
+        missing = [k for k in _PADDED if k not in row]
         if missing:
             raise ValueError(
                 f"rows[{i}] has keys {sorted(row)}, missing {missing}; collate expects PackedBatch "
-                "rows or dicts with input_ids, labels and doc_ids (as pack_dataset writes them)."
+                "rows, padded dicts with input_ids, labels and doc_ids, or unpadded dicts with "
+                "input_ids and seqlens (as pack_dataset writes them)."
             )
-        parts = [torch.as_tensor(row[k]) for k in ("input_ids", "labels", "doc_ids")]
-    elif hasattr(row, "input_ids") and hasattr(row, "labels") and hasattr(row, "doc_ids"):
-        parts = [row.input_ids, row.labels, row.doc_ids]
+        parts = [_as_array(row[k], f"rows[{i}][{k!r}]") for k in _PADDED]
+    elif all(hasattr(row, k) for k in _PADDED):
+        parts = [_as_array(getattr(row, k), f"rows[{i}].{k}") for k in _PADDED]
     else:
         raise TypeError(
             f"rows[{i}] is a {type(row).__name__}, expected a PackedBatch (from PackedDataset / "
-            "PackedIterableDataset) or a dict with input_ids, labels, doc_ids."
+            "PackedIterableDataset) or a dict with input_ids, labels, doc_ids (padded rows) or "
+            "input_ids, seqlens (unpadded rows)."
         )
-    parts = [p.unsqueeze(0) if p.dim() == 1 else p for p in parts]
-    if any(p.dim() != 2 or p.shape != parts[0].shape for p in parts):
+    parts = [p[None] if p.ndim == 1 else p for p in parts]
+    if any(p.ndim != 2 or p.shape != parts[0].shape for p in parts):
         raise ValueError(
-            f"rows[{i}] has input_ids/labels/doc_ids of shapes {[tuple(p.shape) for p in parts]}, "
+            f"rows[{i}] has input_ids/labels/doc_ids of shapes {[p.shape for p in parts]}, "
             "expected equal shapes (S,) or (B, S)."
         )
-    input_ids, labels, doc_ids = parts
-    return input_ids.long(), labels.long(), doc_ids.int()
+    return parts[0], parts[1], parts[2]
 
 
-def collate(rows: Sequence[Any]) -> Any:
+def _is_unpadded(row: Any) -> bool:
+    return isinstance(row, Mapping) and "seqlens" in row
+
+
+def rows_from_flat(
+    flat_ids: np.ndarray,
+    flat_labels: np.ndarray | None,
+    seqlens: np.ndarray,
+    num_docs: np.ndarray,
+    max_len: int,
+    *,
+    pad_id: int = 0,
+) -> Any:
+    """Padded rows from unpadded ones: the compiled pass that ``PackPlan.materialize`` uses.
+
+    flat_ids: (T,) the rows' tokens back to back; flat_labels: (T,) or None (labels from the
+    ids); seqlens: (N,) document lengths, row-major; num_docs: (R,) documents per row.
+    The first token of every document gets label -100, as in every packed row.
+    """
+    from flexpack.batch import _assemble
+
+    seqlens = np.asarray(seqlens, dtype=np.int64)
+    num_docs = np.asarray(num_docs, dtype=np.int64)
+    seg = np.zeros((len(seqlens), 4), dtype=np.int64)
+    seg[:, 0] = np.repeat(np.arange(len(num_docs)), num_docs)
+    seg[:, 1] = np.arange(len(seqlens))
+    seg[:, 3] = seqlens
+    source = np.cumsum(seqlens) - seqlens
+    return _assemble(seg, num_docs, max_len, flat_ids, flat_labels, source, pad_id=pad_id)
+
+
+def _check_max_len(max_len: Any, longest: int) -> int:
+    if max_len is None:
+        return max(longest, 1)
+    if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len <= 0:
+        raise ValueError(f"max_len must be a positive int or None, got {max_len!r}.")
+    if longest > max_len:
+        raise ValueError(
+            f"a row holds {longest} tokens, more than max_len={max_len}; pass the max_len the "
+            "rows were packed to (or max_len=None to pad to the longest row of the batch)."
+        )
+    return int(max_len)
+
+
+def _collate_unpadded(rows: Sequence[Any], max_len: int | None, pad_id: int) -> Any:
+    ids, labels, seqlens, num_docs = [], [], [], []
+    for i, row in enumerate(rows):
+        if not _is_unpadded(row) or "input_ids" not in row:
+            raise ValueError(
+                f"rows[{i}] is not an unpadded row (a dict with input_ids and seqlens) while "
+                "rows[0] is; collate one kind of row per batch."
+            )
+        x = _as_array(row["input_ids"], f"rows[{i}]['input_ids']").reshape(-1)
+        s = _as_array(row["seqlens"], f"rows[{i}]['seqlens']").reshape(-1)
+        if (s <= 0).any() or int(s.sum()) != len(x):
+            raise ValueError(
+                f"rows[{i}] has {len(x)} input_ids but seqlens {s.tolist()[:8]} (sum "
+                f"{int(s.sum())}); seqlens must be positive and sum to the row's tokens."
+            )
+        lab = row.get("labels")
+        if lab is not None:
+            lab = _as_array(lab, f"rows[{i}]['labels']").reshape(-1)
+            if len(lab) != len(x):
+                raise ValueError(
+                    f"rows[{i}] has {len(x)} input_ids but {len(lab)} labels; they must match."
+                )
+        ids.append(x)
+        labels.append(lab)
+        seqlens.append(s)
+        num_docs.append(len(s))
+    max_len = _check_max_len(max_len, max(len(x) for x in ids))
+    flat_ids = np.concatenate(ids).astype(np.int64, copy=False)
+    flat_labels = None
+    if any(lab is not None for lab in labels):
+        flat_labels = np.concatenate(
+            [x if lab is None else lab for x, lab in zip(ids, labels, strict=True)]
+        ).astype(np.int64, copy=False)
+    return rows_from_flat(
+        flat_ids,
+        flat_labels,
+        np.concatenate(seqlens),
+        np.asarray(num_docs),
+        max_len,
+        pad_id=pad_id,
+    )
+
+
+def collate(rows: Sequence[Any], *, max_len: int | None = None, pad_id: int = 0) -> Any:
     """Concatenate packed rows into one ``PackedBatch``.
 
+    Two kinds of rows:
+
+    - padded: one-row (or k-row) ``PackedBatch`` es, or dicts with ``input_ids``, ``labels``,
+      ``doc_ids`` each (S,) or (k, S) (``pack_dataset(..., padded=True)``). All share S.
+    - unpadded (what ``pack_dataset`` stores): dicts with ``input_ids`` (T_r,) the row's tokens,
+      ``seqlens`` (k_r,) its document lengths and, when kept, ``labels`` (T_r,). They are
+      padded to ``max_len`` here and the layout (``doc_ids``, ``position_ids``,
+      ``cu_seqlens``) is rebuilt from ``seqlens`` in one compiled pass (no Python per token).
+
     Args:
-        rows: a list of one-row (or k-row) ``PackedBatch`` es, or of dicts with ``input_ids``,
-            ``labels``, ``doc_ids`` each (S,) or (k, S) (rows of ``pack_dataset``'s output).
+        rows: a list of rows of one kind.
+        max_len: S for unpadded rows (default: the longest row of this batch); for padded rows
+            it must equal S when given.
+        pad_id: token id on padding (unpadded rows; padded rows carry theirs).
 
     Returns:
-        PackedBatch with ``input_ids`` (R, S) int64, ``labels`` (R, S) int64 and a layout from the
-        concatenated ``doc_ids`` (R, S) int32. All rows must share S.
+        PackedBatch with ``input_ids`` (R, S) int64, ``labels`` (R, S) int64 (-100 on padding
+        and on each document's first token) and its layout (``doc_ids`` (R, S) int32). Doc ids
+        outside int32 are renumbered per row, equal ids staying equal.
 
     Raises:
-        ValueError: no rows, rows of different lengths, or dicts missing a field.
+        ValueError: no rows, rows of different lengths or kinds, dicts missing a field, a row
+            longer than ``max_len``, seqlens that do not sum to the row's tokens.
         TypeError: rows of another type.
 
     Example:
@@ -55,21 +190,51 @@ def collate(rows: Sequence[Any]) -> Any:
         >>> ds = PackedDataset([[1, 2, 3], [4, 5], [6, 7, 8, 9]], max_len=5)
         >>> collate([ds[0], ds[1]]).input_ids.shape
         torch.Size([2, 5])
+        >>> row = {"input_ids": [5, 6, 7, 8, 9], "seqlens": [3, 2]}
+        >>> batch = collate([row], max_len=8)
+        >>> batch.input_ids
+        tensor([[5, 6, 7, 8, 9, 0, 0, 0]])
+        >>> batch.doc_ids
+        tensor([[ 0,  0,  0,  1,  1, -1, -1, -1]], dtype=torch.int32)
+        >>> batch.labels
+        tensor([[-100,    6,    7, -100,    9, -100, -100, -100]])
     """
     from flexpack.batch import PackedBatch
     from flexpack.layout import PackedLayout
 
     if len(rows) == 0:
         raise ValueError("collate got no rows; the DataLoader batch is empty.")
-    parts = [_row_tensors(r, i) for i, r in enumerate(rows)]
+    if _is_unpadded(rows[0]):
+        return _collate_unpadded(rows, max_len, int(pad_id))
+    if all(isinstance(r, PackedBatch) for r in rows):  # tensors stay where they are
+        widths = {r.shape[1] for r in rows}
+        if len(widths) != 1 or (max_len is not None and widths != {max_len}):
+            raise ValueError(
+                f"rows have lengths {sorted(widths)}"
+                + (f", not max_len={max_len}" if max_len is not None else "")
+                + "; pack every row to the same max_len."
+            )
+        return PackedBatch(
+            input_ids=torch.cat([r.input_ids for r in rows]),
+            labels=torch.cat([r.labels for r in rows]),
+            layout=PackedLayout.from_doc_ids(torch.cat([r.doc_ids for r in rows])),
+        )
+    parts = [_padded_row(r, i) for i, r in enumerate(rows)]
     widths = {p[0].shape[1] for p in parts}
     if len(widths) != 1:
         raise ValueError(
             f"rows have different lengths {sorted(widths)}; pack every row to the same max_len."
         )
-    input_ids, labels, doc_ids = (torch.cat(ts, dim=0) for ts in zip(*parts, strict=True))
+    if max_len is not None and widths != {max_len}:
+        raise ValueError(
+            f"rows are padded to {widths.pop()} tokens, not max_len={max_len}; drop max_len= "
+            "(padded rows keep their length) or pack to that max_len."
+        )
+    input_ids, labels, doc_ids = (np.concatenate(ts, axis=0) for ts in zip(*parts, strict=True))
     return PackedBatch(
-        input_ids=input_ids, labels=labels, layout=PackedLayout.from_doc_ids(doc_ids)
+        input_ids=torch.from_numpy(input_ids.astype(np.int64, copy=False)),
+        labels=torch.from_numpy(labels.astype(np.int64, copy=False)),
+        layout=PackedLayout.from_doc_ids(torch.from_numpy(_dense_doc_ids(doc_ids))),
     )
 
 
@@ -176,7 +341,12 @@ class MaskedBatch:
 
 
 def collate_with_mask(
-    rows: Sequence[Any], *, mask: str = "document_causal", block_size: int = 128
+    rows: Sequence[Any],
+    *,
+    mask: str = "document_causal",
+    block_size: int = 128,
+    max_len: int | None = None,
+    pad_id: int = 0,
 ) -> MaskedBatch:
     """``collate`` plus the rows' BlockMask, built in the DataLoader worker.
 
@@ -185,7 +355,7 @@ def collate_with_mask(
     Use ``functools.partial(collate_with_mask, block_size=...)`` as ``collate_fn``.
 
     Args:
-        rows: as for ``collate``.
+        rows, max_len, pad_id: as for ``collate``.
         mask: ``"document_causal"`` (decoders) or ``"document"`` (bidirectional).
         block_size: BlockMask block size (tokens); S need not be a multiple of it.
 
@@ -204,6 +374,6 @@ def collate_with_mask(
     """
     if mask not in _MASKS:
         raise ValueError(f"mask must be one of {_MASKS}, got {mask!r}.")
-    batch = collate(rows)
+    batch = collate(rows, max_len=max_len, pad_id=pad_id)
     bm = _mask_of_kind(mask, batch.doc_ids).block_mask(block_size=block_size)
     return MaskedBatch(batch=batch, block_mask=bm, mask=mask)

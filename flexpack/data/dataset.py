@@ -10,7 +10,13 @@ import numpy as np
 import torch
 
 from flexpack.batch import PackedBatch
-from flexpack.data._common import as_source, check_choice, check_positive_int
+from flexpack.data._common import (
+    _is_arrow,
+    _is_hf_dataset,
+    as_source,
+    check_choice,
+    check_positive_int,
+)
 from flexpack.layout import PackedLayout
 
 _REMAINDERS = ("drop", "pad", "error")
@@ -109,11 +115,26 @@ class PackedDataset(torch.utils.data.Dataset):
     ``PackedBatch``: ``input_ids`` (1, max_len) int64, ``labels`` (1, max_len) int64 (-100 on
     padding and on each document's first token), ``layout.doc_ids`` (1, max_len) int32.
     Batch rows with ``flexpack.data.collate`` (pass it as the DataLoader's ``collate_fn``).
+    A list of dicts works too: tokens under ``column`` (default ``"input_ids"``).
+
+    Labels: where a sample has per-token labels in ``labels_column`` (a column of the table, a
+    key of a dict sample), they are kept (-100 on prompt tokens stays -100), else the tokens are
+    the labels; either way each document's first token is -100. ``labels_column=None`` ignores
+    them.
+
+    Rows that are already packed (``pack_dataset``'s output: a ``datasets.Dataset`` or
+    ``pyarrow.Table`` with ``input_ids`` and ``seqlens`` per row) are served as they are, each
+    padded to ``max_len`` on access; there is no plan (``plan`` is None, ``lengths`` are the
+    rows' token counts).
+
+    Indexing takes an int (``ds[i]``); for several rows at once ``ds.__getitems__([i, j])``
+    (a slice is refused: rows are ``PackedBatch`` es, batch them with ``collate``).
 
     Args:
         samples: the token sequences (see above); N samples.
         max_len: row length S.
-        column: token column for a ``datasets.Dataset`` or ``pyarrow.Table``.
+        column: token column for a ``datasets.Dataset`` or ``pyarrow.Table``, or key of dicts.
+        labels_column: column (or dict key) of per-token labels, used where present.
         strategy, overflow, seed, max_docs_per_row: passed to ``flexpack.pack``.
         pad_id: token id written on padding.
 
@@ -133,6 +154,7 @@ class PackedDataset(torch.utils.data.Dataset):
         max_len: int,
         *,
         column: str | None = None,
+        labels_column: str | None = "labels",
         strategy: str = "bfd",
         overflow: str = "error",
         seed: int = 0,
@@ -143,7 +165,14 @@ class PackedDataset(torch.utils.data.Dataset):
 
         self.max_len = check_positive_int("max_len", max_len)
         self.pad_id = int(pad_id)
-        self._source = as_source(samples, column)
+        self._stored: _StoredRows | None = None
+        if _StoredRows.holds(samples, column):
+            self._stored = _StoredRows(samples, self.max_len, labels_column)
+            self.plan = None
+            self.lengths = self._row_tokens = self._stored.num_tokens
+            self._rows = np.arange(len(self.lengths), dtype=np.int64)
+            return
+        self._source = as_source(samples, column, labels_column)
         self.lengths = self._source.lengths()
         self.plan = pack(
             self.lengths,
@@ -174,10 +203,18 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def segments_of(self, index: int) -> np.ndarray:
         """(k, 4) int64 ``(row, sample, start, stop)`` segments of row ``index`` in order."""
+        if self._stored is not None:
+            raise ValueError("rows read from a packed dataset have no plan, hence no segments.")
         row = self._rows[index]
         return self._segments[self._row_ptr[row] : self._row_ptr[row + 1]]
 
     def __getitem__(self, index: int) -> Any:
+        if isinstance(index, slice):
+            raise TypeError(
+                f"PackedDataset rows are indexed by int, got the slice {index}; for several rows "
+                f"use ds.__getitems__(list(range(len(ds)))[{_slice_str(index)}]) and batch them "
+                "with flexpack.data.collate, or a DataLoader with collate_fn=collate."
+            )
         return self.__getitems__([index])[0]
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
@@ -187,28 +224,27 @@ class PackedDataset(torch.utils.data.Dataset):
         """
         rows = []
         for index in indices:
+            if isinstance(index, bool) or not isinstance(index, (int, np.integer)):
+                raise TypeError(
+                    f"row index {index!r} is a {type(index).__name__}, expected an int in "
+                    f"[-{len(self)}, {len(self)})."
+                )
             if not -len(self) <= index < len(self):
                 raise IndexError(f"row index {index} out of range for {len(self)} rows")
             rows.append(int(self._rows[index]))
+        if self._stored is not None:
+            batch = self._stored.read(rows, self.pad_id)
+            return _split_rows(batch) if len(rows) > 1 else [batch]
         need = np.unique(
             np.concatenate(
                 [self._segments[self._row_ptr[r] : self._row_ptr[r + 1], 1] for r in rows]
                 or [np.zeros(0, np.int64)]
             )
         )
-        tokens = dict(zip(need.tolist(), self._source.take(need), strict=True))
+        tokens = dict(zip(need.tolist(), self._source.take_items(need), strict=True))
         fetched = _Fetched(len(self.lengths), tokens)
         batch = self.plan.materialize(fetched, rows, pad_id=self.pad_id)  # one gather for all
-        if len(rows) == 1:
-            return [batch]
-        return [
-            PackedBatch(
-                batch.input_ids[i : i + 1].clone(),
-                batch.labels[i : i + 1].clone(),
-                PackedLayout.from_doc_ids(batch.doc_ids[i : i + 1].clone()),
-            )
-            for i in range(len(rows))
-        ]
+        return _split_rows(batch) if len(rows) > 1 else [batch]
 
     def shard(self, rank: int, world_size: int, *, remainder: str = "drop") -> PackedDataset:
         """This rank's share of the rows: equal counts per rank, balanced tokens per step.
@@ -233,6 +269,78 @@ class PackedDataset(torch.utils.data.Dataset):
         out = copy.copy(self)
         out._rows = self._rows[shard_rows(self.num_tokens, world_size, remainder=remainder)[rank]]
         return out
+
+
+def _slice_str(index: slice) -> str:
+    parts = ["" if v is None else str(v) for v in (index.start, index.stop, index.step)]
+    return ":".join(parts[:2]) + (f":{parts[2]}" if index.step is not None else "")
+
+
+def _split_rows(batch: PackedBatch) -> list[PackedBatch]:
+    return [
+        PackedBatch(
+            batch.input_ids[i : i + 1].clone(),
+            batch.labels[i : i + 1].clone(),
+            PackedLayout.from_doc_ids(batch.doc_ids[i : i + 1].clone()),
+        )
+        for i in range(len(batch))
+    ]
+
+
+class _StoredRows:
+    """Rows packed earlier (``pack_dataset``'s unpadded output), read by Arrow take and padded
+    by ``collate``'s compiled pass."""
+
+    @staticmethod
+    def holds(samples: Any, column: str | None) -> bool:
+        names = getattr(samples, "column_names", None)
+        arrowish = _is_hf_dataset(samples) or _is_arrow(samples)
+        stored = names is not None and "seqlens" in names and "input_ids" in names
+        return bool(arrowish and stored and column in (None, "input_ids"))
+
+    def __init__(self, samples: Any, max_len: int, labels_column: str | None) -> None:
+        import pyarrow.compute as pc
+
+        self.labels = labels_column if labels_column in samples.column_names else None
+        cols = ["input_ids", "seqlens"] + ([self.labels] if self.labels else [])
+        if _is_hf_dataset(samples):
+            self.table = None
+            self.ds = samples.with_format("arrow", columns=cols)
+            parts = [  # batches follow a select()/shuffle() indices mapping; offsets only
+                np.asarray(pc.list_value_length(t.column("input_ids")), dtype=np.int64)
+                for t in self.ds.iter(batch_size=1 << 16)
+            ]
+            self.num_tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        else:
+            self.table = samples.select(cols)
+            ids = self.table.column("input_ids")
+            self.num_tokens = np.asarray(pc.list_value_length(ids), dtype=np.int64)
+        longest = int(self.num_tokens.max()) if len(self.num_tokens) else 0
+        if longest > max_len:
+            raise ValueError(
+                f"the packed rows hold up to {longest} tokens, more than max_len={max_len}; pass "
+                "the max_len they were packed to."
+            )
+        self.max_len = max_len
+
+    def read(self, rows: list[int], pad_id: int) -> PackedBatch:
+        from flexpack.data._common import flat_list_array
+        from flexpack.data.collate import rows_from_flat
+
+        idx = np.asarray(rows, dtype=np.int64)
+        tbl = self.table.take(idx) if self.table is not None else self.ds[idx.tolist()]
+        ids_off, ids = flat_list_array(tbl.column("input_ids"))
+        seq_off, seqlens = flat_list_array(tbl.column("seqlens"))
+        labels = flat_list_array(tbl.column(self.labels))[1] if self.labels else None
+        # every row's seqlens must sum to its tokens: the compiled pass trusts them
+        sums = np.concatenate([[0], np.cumsum(seqlens)])[seq_off]
+        bad_labels = labels is not None and len(labels) != len(ids)
+        if (sums != ids_off).any() or (seqlens <= 0).any() or bad_labels:
+            raise ValueError(
+                f"stored rows {rows} do not match their seqlens (they must be positive and sum "
+                "to each row's tokens, labels as many as tokens); repack with pack_dataset."
+            )
+        return rows_from_flat(ids, labels, seqlens, np.diff(seq_off), self.max_len, pad_id=pad_id)
 
 
 class _Fetched:

@@ -157,14 +157,17 @@ def flexpack_attention_forward(
         scaling: softmax scale; default ``D ** -0.5``.
         dropout: must be 0 (flexpack attention has no dropout).
         **kwargs: the model call's keywords; read: ``doc_ids`` (B, S) int, ``seq_idx`` (B, S) int,
-            ``position_ids`` (B or 1, S) int, ``is_causal``, ``sliding_window``.
+            ``position_ids`` (B or 1, S) int, ``is_causal``, ``sliding_window``, ``softcap``
+            (attention-logit soft-capping, Gemma 2), and ``flexpack_mask``: a prebuilt flexpack
+            Mask or BlockMask used as is by every layer (e.g. ``flexpack.pack_trees(...).mask()
+            .block_mask()``, with the batch's ``position_ids``).
 
     Returns:
         ``(attn_output, None)``, attn_output (B, S, Hq, D) as transformers expects.
 
     Raises:
-        ValueError: a KV cache (query and key lengths differ), dropout, softcapping, attention
-            sinks, a 4-D mask, or document ids of the wrong shape.
+        ValueError: a KV cache (query and key lengths differ), dropout, attention sinks, a 4-D
+            mask, or document ids of the wrong shape.
 
     Example:
         >>> import torch
@@ -189,7 +192,7 @@ def flexpack_attention_forward(
             f"flexpack attention has no dropout, got dropout={dropout}; set the config's "
             "attention_dropout to 0.0 (or call model.eval())."
         )
-    for unsupported in ("softcap", "s_aux", "position_bias"):
+    for unsupported in ("s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"flexpack attention does not support `{unsupported}` (this model passes it); "
@@ -198,18 +201,23 @@ def flexpack_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
-    mask = _mask_for(
-        query.device,
-        B,
-        S,
-        attention_mask,
-        kwargs.get("doc_ids"),
-        kwargs.get("seq_idx"),
-        kwargs.get("position_ids"),
-        bool(is_causal),
-        kwargs.get("sliding_window"),
-    )
-    out = attention(query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq)
+    mask = kwargs.get("flexpack_mask")  # a prebuilt mask (e.g. a TreeBatch's) wins
+    if mask is None:
+        mask = _mask_for(
+            query.device,
+            B,
+            S,
+            attention_mask,
+            kwargs.get("doc_ids"),
+            kwargs.get("seq_idx"),
+            kwargs.get("position_ids"),
+            bool(is_causal),
+            kwargs.get("sliding_window"),
+        )
+    out = attention(
+        query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq,
+        softcap=kwargs.get("softcap"),
+    )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
 
 

@@ -242,7 +242,6 @@ class GPT(nn.Module):
             doc_ids = layout.doc_ids
             if position_ids is None and "position_ids" in layout.__dict__:
                 position_ids = layout.position_ids
-            _attention_flex.use_layout(layout)  # varlen plan from the host-side views
         if doc_ids is not None:
             _check_int("doc_ids", doc_ids)
             if tuple(doc_ids.shape) != (B, S):
@@ -252,9 +251,11 @@ class GPT(nn.Module):
                 )
             if mask is None:  # once per batch, shared by every layer
                 mask = document(doc_ids) & causal()
+                if layout is not None:  # the varlen plan from the layout's host-side views
+                    _attention_flex.use_layout(layout, mask.doc_ids)
         if position_ids is None:
             if doc_ids is not None:
-                position_ids = PackedLayout.from_doc_ids(doc_ids).position_ids  # restart per doc
+                position_ids = _positions_in_runs(doc_ids)  # restart per doc, no host sync
             else:
                 position_ids = torch.arange(S, device=input_ids.device)[None]
         _check_int("position_ids", position_ids)
@@ -273,6 +274,20 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, mask)  # (B, S, C)
         return self.head(self.norm(x))  # (B, S, V)
+
+
+def _positions_in_runs(doc_ids: Tensor) -> Tensor:
+    """(B, S) int64: position of each token in its run of equal ids, 0 on padding.
+
+    ``PackedLayout.position_ids`` for packer layouts, without its validation's host syncs (a
+    forward on CUDA stays sync-free).
+    """
+    real = doc_ids >= 0
+    start = real.clone()
+    start[:, 1:] &= doc_ids[:, 1:] != doc_ids[:, :-1]
+    col = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(start)
+    run_start = torch.where(start, col, 0).cummax(dim=1).values
+    return torch.where(real, col - run_start, 0)
 
 
 def _check_int(name: str, t: object) -> None:

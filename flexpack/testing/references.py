@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-__all__ = ["block_states", "dense_mask", "reference_attention"]
+__all__ = ["block_states", "dense_mask", "dense_tree_mask", "reference_attention"]
 
 # Block states, as stored by ``block_states``.
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -327,3 +327,43 @@ def reference_attention(
 
 
 _dense_mask_fn: Callable[..., Tensor] = dense_mask
+
+
+def dense_tree_mask(segment_ids: Tensor, parents: Tensor) -> Tensor:
+    """The prefix-tree mask written out from its definition: the dense twin of ``masks.tree``.
+
+    Query q attends key kv iff both are real tokens, ``kv <= q`` and kv's segment is q's segment
+    or an ancestor of it, found by walking q's segment up through ``parents`` (a plain Python
+    loop, independent of flexpack's subtree intervals).
+
+    Args:
+        segment_ids: (S,) or (B, S) integer, segment of each token, negative for padding.
+        parents: (n,) or (B, n) integer, parent segment of each segment, -1 for a root.
+
+    Returns:
+        (B, 1, S, S) bool tensor on CPU.
+
+    Example:
+        >>> import torch
+        >>> m = dense_tree_mask(torch.tensor([0, 1, 2]), torch.tensor([-1, 0, 0]))
+        >>> m[0, 0].int()
+        tensor([[1, 0, 0],
+                [1, 1, 0],
+                [1, 0, 1]], dtype=torch.int32)
+    """
+    seg = segment_ids if segment_ids.dim() == 2 else segment_ids[None]
+    par = parents if parents.dim() == 2 else parents[None]
+    B, S = seg.shape
+    out = torch.zeros(B, 1, S, S, dtype=torch.bool)
+    for b in range(B):
+        row, up = seg[b].tolist(), par[b].tolist()
+        for q in range(S):
+            if row[q] < 0:
+                continue
+            path, s = set(), row[q]
+            while s >= 0:
+                path.add(s)
+                s = up[s]
+            for kv in range(q + 1):
+                out[b, 0, q, kv] = row[kv] >= 0 and row[kv] in path
+    return out

@@ -24,7 +24,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "(or pip install hypothesis)."
     ) from err
 
-__all__ = ["doc_ids", "masks", "prefix_lengths", "seqlens"]
+__all__ = ["doc_ids", "forests", "masks", "prefix_lengths", "seqlens"]
 
 # Row shapes drawn on purpose; "random" cuts the row at random points.
 _ROW_STYLES = ("random", "random", "one_doc", "single_tokens")
@@ -391,3 +391,81 @@ def masks(
         return left & right if op == "and" else left | right
 
     return tree(max_depth)
+
+
+# Tree shapes drawn on purpose; "random" attaches every segment anywhere it may go.
+_FOREST_STYLES = ("random", "random", "chain", "star", "flat")
+
+
+@st.composite
+def forests(
+    draw: st.DrawFn,
+    *,
+    batch_size: int | None = None,
+    max_batch_size: int = 3,
+    seq_len: int | None = None,
+    min_seq_len: int = 1,
+    max_seq_len: int = 300,
+    max_segments: int | None = None,
+    allow_padding: bool = True,
+    block_size: int = 128,
+    dtype: torch.dtype = torch.int32,
+) -> tuple[Tensor, Tensor]:
+    """Packed rows of prefix trees: ``(segment_ids, parents)`` for ``flexpack.masks.tree``.
+
+    Each row holds segments 0..n-1 in depth-first order (a parent before its children, a whole
+    subtree before the next sibling), each a contiguous run, then padding. Rows are drawn as one
+    chain (multi-turn), one star (a GRPO group), all roots (ordinary documents) or a random forest.
+
+    Args:
+        batch_size: number of rows; ``None`` draws it from 1..``max_batch_size``.
+        max_batch_size: upper bound when ``batch_size`` is None.
+        seq_len: fixed S; ``None`` draws S from ``min_seq_len``..``max_seq_len``, often next to a
+            multiple of ``block_size``.
+        min_seq_len, max_seq_len: bounds on S when ``seq_len`` is None.
+        max_segments: at most this many segments per row.
+        allow_padding: rows may end in padding.
+        block_size: the block size whose multiples S is drawn around.
+        dtype: integer dtype of ``segment_ids``.
+
+    Returns:
+        A strategy for ``(segment_ids, parents)``: (B, S) ``dtype`` segment ids, -1 on padding,
+        and (B, max n) int64 parents, -1 for roots and past a row's segments.
+
+    Example:
+        >>> from hypothesis import find
+        >>> seg, par = find(forests(seq_len=6, batch_size=1), lambda f: int(f[1][0, -1]) > 0)
+        >>> seg.shape, par.shape[0], int(par[0, 0])
+        (torch.Size([1, 6]), 1, -1)
+    """
+    seg = draw(
+        doc_ids(
+            batch_size=batch_size,
+            max_batch_size=max_batch_size,
+            seq_len=seq_len,
+            min_seq_len=min_seq_len,
+            max_seq_len=max_seq_len,
+            max_docs=max_segments,
+            allow_padding=allow_padding,
+            block_size=block_size,
+            dtype=dtype,
+        )
+    )
+    counts = [int(row.max()) + 1 if bool((row >= 0).any()) else 0 for row in seg]
+    parents = torch.full((seg.shape[0], max(1, *counts)), -1, dtype=torch.int64)
+    for b, n in enumerate(counts):
+        style = draw(st.sampled_from(_FOREST_STYLES))
+        path: list[int] = []  # segment n - 1 and its ancestors: where segment n may attach
+        for k in range(n):
+            if k == 0 or style == "flat":
+                p = -1
+            elif style == "chain":
+                p = k - 1
+            elif style == "star":
+                p = 0
+            else:
+                p = draw(st.sampled_from([-1, *path]))
+            parents[b, k] = p
+            # The rightmost path after adding k: k's ancestors, then k.
+            path = [*path[: path.index(p) + 1], k] if p >= 0 else [k]
+    return seg, parents

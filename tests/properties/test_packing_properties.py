@@ -12,6 +12,7 @@ import math
 from functools import cache
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -277,16 +278,38 @@ def test_layout_round_trips(case):
     assert layout.max_seqlen == max([n for row in rows for n in row], default=0)
 
 
+def _runs(row):
+    """[(id, start, stop)] of the maximal runs of equal non-negative ids of a row."""
+    out = []
+    for t, d in enumerate(row):
+        if d >= 0 and (t == 0 or row[t - 1] != d):
+            out.append([d, t, t + 1])
+        elif d >= 0:
+            out[-1][2] = t + 1
+    return out
+
+
 @given(
     st.integers(1, 3).flatmap(
         lambda b: st.lists(
             st.lists(st.integers(-1, 3), min_size=6, max_size=6), min_size=b, max_size=b
         )
-    )
+    ),
+    st.integers(0, 2**62),
 )
-def test_arbitrary_doc_ids_have_a_canonical_twin(doc_ids):
-    """Any doc_ids (runs of equal ids, -1 padding anywhere): the computed views equal a direct
-    per-token reading, and from_cu_seqlens of them gives the same runs relabelled 0..n-1."""
+def test_arbitrary_doc_ids_have_a_canonical_twin(raw, offset):
+    """Any doc_ids (-1 padding anywhere): an id naming two runs of a row is refused (issue 11);
+    otherwise, with ids of any size, the views equal a direct per-token reading, the document
+    mask of the layout's renumbered ids equals that of the ids given, and from_cu_seqlens gives
+    the same runs relabelled 0..n-1."""
+    if any(len({r[0] for r in _runs(row)}) < len(_runs(row)) for row in raw):
+        with pytest.raises(ValueError, match="two separate runs"):
+            PackedLayout.from_doc_ids(raw)
+    # The same runs, each under its own (large) id.
+    doc_ids = [list(row) for row in raw]
+    for row in doc_ids:
+        for k, (_, a, b) in enumerate(_runs(row)):
+            row[a:b] = [offset + 3 * k] * (b - a)
     layout = PackedLayout.from_doc_ids(doc_ids)
     pos, lens = [], []
     for row in doc_ids:
@@ -301,6 +324,9 @@ def test_arbitrary_doc_ids_have_a_canonical_twin(doc_ids):
         pos.append(p)
     assert layout.position_ids.tolist() == pos
     assert layout.seqlens.tolist() == lens
+    given_ids = torch.tensor(doc_ids)
+    same = lambda d: (d[:, :, None] == d[:, None, :]) & (d[:, :, None] >= 0)
+    assert torch.equal(same(given_ids), same(layout.doc_ids.long()))
     twin = PackedLayout.from_cu_seqlens(layout.cu_seqlens, layout.indices, shape=layout.shape)
     assert torch.equal(twin.position_ids, layout.position_ids)
     assert torch.equal(twin.doc_ids >= 0, layout.doc_ids >= 0)

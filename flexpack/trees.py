@@ -1,0 +1,489 @@
+"""Prefix-tree packing: shared prompts forwarded once (GRPO groups, DPO pairs, multi-turn rollouts).
+
+A GRPO group is a prompt with G completions; a DPO pair a prompt with a chosen and a rejected
+answer; a multi-turn rollout shares whole earlier turns. Forwarded one rollout per document they
+cost ``G * (P + R)`` tokens; as a tree, ``P + G * R``. :func:`pack_trees` lays whole trees into rows
+of ``max_len`` (a parent before its children, depth-first), :func:`flexpack.masks.tree` lets each
+token see its own segment causally and every token of its ancestors, and position ids continue
+along the path, so every root-to-leaf path sees exactly the positions, keys and values it would
+see run alone. :meth:`TreeBatch.gather_logps` reads the log-probs back per rollout.
+
+One group (prompt ``[5, 6, 7]``, completions ``[8, 9]`` and ``[4]``), ``max_len=8``, pad id 0::
+
+    input_ids     5   6   7   8   9   4   0   0
+    segment_ids   0   0   0   1   1   2  -1  -1       parents  -1   0   0
+    position_ids  0   1   2   3   4   3   0   0
+
+    rollout 0: log p(8 | 5 6 7), log p(9 | 5 6 7 8)     (targets of segment 1)
+    rollout 1: log p(4 | 5 6 7)                         (target of segment 2)
+
+Shape legend:
+    R: packed rows; S = max_len tokens per row; V vocabulary; M: most segments in a row.
+    N: rollouts (root-to-leaf paths); L: most targets of a rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from flexpack import masks as _masks
+from flexpack.packing import pack
+
+__all__ = ["TreeBatch", "grpo_loss", "pack_trees", "sequence_logps"]
+
+
+@dataclass(frozen=True, eq=False)
+class TreeBatch:
+    """Packed rows of prefix trees, what :func:`pack_trees` returns.
+
+    Attributes:
+        input_ids: (R, S) int64; the pad id on padding.
+        segment_ids: (R, S) int32; segment of each token, numbered 0..n-1 per row depth-first
+            (a parent before its children), -1 on padding.
+        parents: (R, M) int64; parent segment of each segment, -1 for a root and past a row's
+            segments.
+        position_ids: (R, S) int64; depth of each token on its root-to-leaf path (a segment
+            starts where its parent ends), 0 on padding.
+        num_tokens: real tokens stored (every token of every tree, once).
+        rollout_groups: (N,) int64; the group (index into ``groups``) of each rollout.
+        rollout_lengths: (N,) int64; targets of each rollout (its tokens after the root segment).
+
+    Example:
+        >>> b = pack_trees([([5, 6, 7], [[8, 9], [4]])], max_len=8)
+        >>> b.input_ids, b.segment_ids, b.parents
+        (tensor([[5, 6, 7, 8, 9, 4, 0, 0]]), tensor([[ 0,  0,  0,  1,  1,  2, -1, -1]],
+               dtype=torch.int32), tensor([[-1,  0,  0]]))
+        >>> b.position_ids, b.num_tokens, b.rollout_lengths
+        (tensor([[0, 1, 2, 3, 4, 3, 0, 0]]), 6, tensor([2, 1]))
+    """
+
+    input_ids: Tensor
+    segment_ids: Tensor
+    parents: Tensor
+    position_ids: Tensor
+    num_tokens: int
+    rollout_groups: Tensor
+    rollout_lengths: Tensor
+    # Flat (R * S) positions of every target token (each non-root token once) and of the logits
+    # that predict it; per rollout, its targets as indices into those lists (T past its end).
+    _targets: Tensor = field(repr=False)
+    _sources: Tensor = field(repr=False)
+    _rollout_targets: Tensor = field(repr=False)
+    _rollout_valid: Tensor = field(repr=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(R, S)."""
+        return (int(self.input_ids.shape[0]), int(self.input_ids.shape[1]))
+
+    @property
+    def num_rollouts(self) -> int:
+        """N, the root-to-leaf paths of all groups."""
+        return int(self.rollout_groups.shape[0])
+
+    def mask(self) -> _masks.Mask:
+        """The tree mask of the rows (it includes the padding mask), for ``flexpack.attention``.
+
+        Example:
+            >>> pack_trees([([1, 2], [[3], [4]])], max_len=4).mask().kind
+            'tree'
+        """
+        return _masks.tree(self.segment_ids, self.parents)
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TreeBatch:
+        """The same batch on ``device``.
+
+        Example:
+            >>> pack_trees([[1, 2]], max_len=4).to("cpu").input_ids.device
+            device(type='cpu')
+        """
+        moved = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            for name in (
+                "input_ids",
+                "segment_ids",
+                "parents",
+                "position_ids",
+                "rollout_groups",
+                "rollout_lengths",
+                "_targets",
+                "_sources",
+                "_rollout_targets",
+                "_rollout_valid",
+            )
+        }
+        return TreeBatch(num_tokens=self.num_tokens, **moved)
+
+    def gather_logps(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-rollout log-probs of the rollout tokens from the logits of the packed rows.
+
+        Rollout n is the n-th root-to-leaf path, groups in the order given and paths in
+        depth-first order within a group. Its row holds log p(token) for every token of the path
+        after the root segment, in order: the first token of a segment is predicted from the last
+        token of its parent, every other token from the one before it, as in the rollout run
+        alone. A segment shared by several rollouts gives its log-probs to each of them.
+
+        Args:
+            logits: (R, S, V) float logits of a model on ``input_ids`` (any float dtype; the
+                log-softmax runs in float32, float64 for float64 logits).
+
+        Returns:
+            ``(logps, valid)``: (N, L) float32 (float64) log-probs, 0 past each rollout's end,
+            and (N, L) bool, True on the ``rollout_lengths[n]`` first entries of row n.
+
+        Raises:
+            ValueError: logits not (R, S, V) for this batch, or on another device.
+
+        Example:
+            >>> b = pack_trees([([5, 6, 7], [[8, 9], [4]])], max_len=8)
+            >>> logps, valid = b.gather_logps(torch.zeros(1, 8, 16))
+            >>> logps.shape, valid.tolist()
+            (torch.Size([2, 2]), [[True, True], [True, False]])
+        """
+        R, S = self.shape
+        if not isinstance(logits, Tensor) or not logits.is_floating_point():
+            got = logits.dtype if isinstance(logits, Tensor) else type(logits).__name__
+            raise ValueError(f"gather_logps needs float logits of shape (R, S, V), got {got}.")
+        if logits.dim() != 3 or tuple(logits.shape[:2]) != (R, S):
+            raise ValueError(
+                f"gather_logps needs logits of shape (R, S, V) = ({R}, {S}, V) for this batch, "
+                f"got {tuple(logits.shape)}; pass the model's logits on batch.input_ids "
+                f"(model(...).logits for transformers)."
+            )
+        if logits.device != self._targets.device:
+            raise ValueError(
+                f"logits are on {logits.device} but the batch on {self._targets.device}; move the "
+                f"batch with batch.to(logits.device)."
+            )
+        flat = logits.reshape(R * S, -1)  # (R * S, V)
+        tokens = self.input_ids.reshape(-1)[self._targets]  # (T,)
+        if logits.dtype in (torch.float32, torch.float64):
+            # No (T, V) copy: the log-normalizer of every position, then one entry per target.
+            lse = torch.logsumexp(logits, dim=-1).reshape(-1)  # (R * S,)
+            lp = flat[self._sources, tokens] - lse[self._sources]  # (T,)
+        else:  # half precision: the predicting positions only, normalized in float32
+            src = flat[self._sources].float()  # (T, V)
+            lp = src.gather(-1, tokens[:, None]).squeeze(-1) - torch.logsumexp(src, dim=-1)
+        # Entries past a rollout's end index the spare 0 appended here.
+        logps = torch.nn.functional.pad(lp, (0, 1))[self._rollout_targets]  # (N, L)
+        return logps, self._rollout_valid
+
+
+# ----------------------------------------------------------------------------- parsing
+
+
+def _is_tokens(x: Any) -> bool:
+    if isinstance(x, Tensor | np.ndarray):
+        return x.ndim == 1
+    return isinstance(x, Sequence) and not isinstance(x, str | bytes)
+
+
+def _as_tokens(x: Any, where: str) -> np.ndarray:
+    if isinstance(x, Tensor):
+        x = x.detach().cpu().numpy()
+    try:
+        arr = np.asarray(x)
+    except ValueError:  # ragged nesting
+        arr = None
+    if arr is None or arr.ndim != 1 or not (arr.size == 0 or np.issubdtype(arr.dtype, np.integer)):
+        got = "ragged nesting" if arr is None else f"shape {arr.shape} and dtype {arr.dtype}"
+        raise TypeError(
+            f"{where} must be a sequence of int token ids, got {type(x).__name__} of {got}; a "
+            f"node is a token sequence (a leaf) or a pair (tokens, [children])."
+        )
+    if arr.size == 0:
+        raise ValueError(
+            f"{where} has no tokens; every segment of a tree needs at least one (drop empty "
+            f"completions, or give them an end-of-sequence token)."
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _split_node(node: Any, where: str) -> tuple[np.ndarray, list[Any]]:
+    """(tokens, children) of a node: a pair (tokens, [children]) or a bare token sequence."""
+    if (
+        isinstance(node, tuple | list)
+        and len(node) == 2
+        and _is_tokens(node[0])
+        and isinstance(node[1], list | tuple)
+        and all(not isinstance(c, int | np.integer) for c in node[1])
+    ):
+        return _as_tokens(node[0], where), list(node[1])
+    return _as_tokens(node, where), []
+
+
+def _flatten(group: Any, g: int) -> tuple[list[np.ndarray], list[int], list[list[int]]]:
+    """Depth-first segments of one tree: tokens, parent (-1 root) and the root-to-leaf paths."""
+    segments: list[np.ndarray] = []
+    parents: list[int] = []
+    paths: list[list[int]] = []
+    stack: list[tuple[Any, int, list[int], str]] = [(group, -1, [], f"groups[{g}]")]
+    while stack:
+        node, parent, path, where = stack.pop()
+        tokens, children = _split_node(node, where)
+        k = len(segments)
+        segments.append(tokens)
+        parents.append(parent)
+        path = [*path, k]
+        if not children:
+            paths.append(path)
+        # Reversed onto the stack, so the first child comes out (and is numbered) first.
+        for c in reversed(range(len(children))):
+            stack.append((children[c], k, path, f"{where}[1][{c}]"))
+    return segments, parents, paths
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def pack_trees(
+    groups: Sequence[Any],
+    max_len: int,
+    *,
+    strategy: str = "bfd",
+    seed: int | None = 0,
+    pad_id: int = 0,
+) -> TreeBatch:
+    """Pack prefix trees (GRPO groups, DPO pairs, multi-turn rollouts) whole into rows.
+
+    A node is a pair ``(tokens, [children])`` or a bare token sequence (a leaf; an ordinary
+    document is a one-node tree). Each tree is laid out depth-first (a parent before its
+    children, a whole subtree before the next sibling) and trees are assigned to rows by
+    :func:`flexpack.pack` on their sizes (best-fit decreasing by default), never split.
+
+    Args:
+        groups: the trees, e.g. ``[(prompt, [completion_1, ..., completion_G]), ...]``; tokens
+            are sequences of ints (lists, numpy arrays, 1-D tensors).
+        max_len: S, tokens per row; every tree must fit in one row.
+        strategy: the :func:`flexpack.pack` strategy over tree sizes ("bfd", "ffd", "greedy").
+        seed: shuffles the rows (see :func:`flexpack.pack`); None keeps the packer's order.
+        pad_id: token id written on padding.
+
+    Returns:
+        A :class:`TreeBatch`; ``batch.mask()`` is its attention mask and
+        ``batch.gather_logps(logits)`` reads the rollouts' log-probs back.
+
+    Raises:
+        TypeError: a node that is neither a token sequence nor a (tokens, [children]) pair.
+        ValueError: no groups, an empty segment, a tree longer than ``max_len`` (named), or a
+            strategy that cuts samples ("wrap").
+
+    Example:
+        >>> dpo = ([1, 2, 3], [[4, 5], [6]])  # prompt, chosen, rejected
+        >>> b = pack_trees([dpo, [7, 8]], max_len=6, seed=None)
+        >>> b.input_ids.tolist(), b.segment_ids.tolist()
+        ([[1, 2, 3, 4, 5, 6], [7, 8, 0, 0, 0, 0]], [[0, 0, 0, 1, 1, 2], [0, 0, -1, -1, -1, -1]])
+        >>> b.num_rollouts, b.rollout_groups.tolist(), b.rollout_lengths.tolist()
+        (3, [0, 0, 1], [2, 1, 0])
+    """
+    if isinstance(groups, str | bytes) or not isinstance(groups, Sequence):
+        raise TypeError(
+            f"groups must be a list of trees, got {type(groups).__name__}; wrap one tree as [tree]."
+        )
+    if len(groups) == 0:
+        raise ValueError("groups is empty; pack_trees needs at least one tree.")
+    if strategy == "wrap":
+        raise ValueError(
+            "strategy='wrap' cuts samples at row ends, but a tree must stay whole in its row; "
+            "use 'bfd' (default), 'ffd' or 'greedy'."
+        )
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
+        raise TypeError(f"pad_id must be an int token id, got {pad_id!r}.")
+    trees = [_flatten(group, g) for g, group in enumerate(groups)]
+    sizes = np.array([sum(len(s) for s in segs) for segs, _, _ in trees], dtype=np.int64)
+    if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len >= 1:
+        too_long = np.flatnonzero(sizes > max_len)
+        if too_long.size:
+            g = int(too_long[0])
+            raise ValueError(
+                f"groups[{g}] has {int(sizes[g])} tokens, more than max_len={max_len}; a tree is "
+                f"packed whole into one row, so raise max_len to at least {int(sizes.max())} or "
+                f"split the tree ({too_long.size} of {len(groups)} trees are too long)."
+            )
+    plan = pack(sizes, max_len, strategy=strategy, seed=seed)
+    R, S = plan.num_rows, plan.max_len
+
+    input_ids = np.full((R, S), pad_id, dtype=np.int64)
+    segment_ids = np.full((R, S), -1, dtype=np.int32)
+    position_ids = np.zeros((R, S), dtype=np.int64)
+    row_parents: list[list[int]] = [[] for _ in range(R)]
+    targets: list[np.ndarray] = []
+    sources: list[np.ndarray] = []
+    seg_targets: list[list[tuple[int, int]]] = [[] for _ in groups]  # per tree, per segment
+    num_targets = 0
+    fill = np.zeros(R, dtype=np.int64)
+    for row, g, _, _ in plan.segments.tolist():
+        segs, pars, _ = trees[g]
+        base = len(row_parents[row])  # segment numbers of this tree continue the row's
+        starts = np.zeros(len(segs), dtype=np.int64)
+        pos0 = np.zeros(len(segs), dtype=np.int64)
+        for k, (tokens, p) in enumerate(zip(segs, pars, strict=True)):
+            c, n = int(fill[row]), len(tokens)
+            starts[k] = c
+            pos0[k] = 0 if p < 0 else pos0[p] + len(segs[p])
+            input_ids[row, c : c + n] = tokens
+            segment_ids[row, c : c + n] = base + k
+            position_ids[row, c : c + n] = np.arange(pos0[k], pos0[k] + n)
+            row_parents[row].append(-1 if p < 0 else base + p)
+            fill[row] += n
+            if p < 0:
+                seg_targets[g].append((num_targets, num_targets))
+                continue
+            flat = row * S + c + np.arange(n)
+            prev = flat - 1
+            prev[0] = row * S + starts[p] + len(segs[p]) - 1  # the parent's last token
+            targets.append(flat)
+            sources.append(prev)
+            seg_targets[g].append((num_targets, num_targets + n))
+            num_targets += n
+
+    rollout_groups: list[int] = []
+    rollout_targets: list[np.ndarray] = []
+    for g, (_, _, paths) in enumerate(trees):
+        for path in paths:
+            rollout_groups.append(g)
+            rollout_targets.append(
+                np.concatenate(
+                    [np.arange(*seg_targets[g][k]) for k in path] or [np.zeros(0, np.int64)]
+                )
+            )
+    lengths = np.array([len(t) for t in rollout_targets], dtype=np.int64)
+    L = max(1, int(lengths.max()))
+    index = np.full((len(lengths), L), num_targets, dtype=np.int64)  # past the end: a spare 0
+    valid = np.arange(L)[None, :] < lengths[:, None]
+    index[valid] = np.concatenate(rollout_targets) if num_targets else np.zeros(0, np.int64)
+    M = max(len(p) for p in row_parents)
+    parents = np.full((R, M), -1, dtype=np.int64)
+    for row, p in enumerate(row_parents):
+        parents[row, : len(p)] = p
+
+    def cat(parts: list[np.ndarray]) -> Tensor:
+        return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, np.int64))
+
+    return TreeBatch(
+        input_ids=torch.from_numpy(input_ids),
+        segment_ids=torch.from_numpy(segment_ids),
+        parents=torch.from_numpy(parents),
+        position_ids=torch.from_numpy(position_ids),
+        num_tokens=int(sizes.sum()),
+        rollout_groups=torch.tensor(rollout_groups, dtype=torch.int64),
+        rollout_lengths=torch.from_numpy(lengths),
+        _targets=cat(targets),
+        _sources=cat(sources),
+        _rollout_targets=torch.from_numpy(index),
+        _rollout_valid=torch.from_numpy(valid),
+    )
+
+
+# ----------------------------------------------------------------------------- losses
+
+
+def sequence_logps(logps: Tensor, valid: Tensor, *, reduction: str = "sum") -> Tensor:
+    """Per-rollout log-prob of its tokens: the DPO / reward-model input, from ``gather_logps``.
+
+    Unpacked equivalent, for rollout n with completion tokens ``y`` after prompt ``x``:
+    ``sum_t log p(y_t | x, y_<t)`` ("sum") or that divided by ``len(y)`` ("mean").
+
+    Args:
+        logps: (N, L) float, from :meth:`TreeBatch.gather_logps`.
+        valid: (N, L) bool, from the same call.
+        reduction: "sum" or "mean" (0 for a rollout without targets).
+
+    Returns:
+        (N,) tensor in logps' dtype.
+
+    Example:
+        >>> sequence_logps(torch.tensor([[-1.0, -2.0], [-3.0, 0.0]]),
+        ...                torch.tensor([[True, True], [True, False]]), reduction="mean")
+        tensor([-1.5000, -3.0000])
+    """
+    _check_pair(logps, valid)
+    total = torch.where(valid, logps, 0.0).sum(-1)
+    if reduction == "sum":
+        return total
+    if reduction == "mean":
+        return total / valid.sum(-1).clamp(min=1)
+    raise ValueError(f"reduction must be 'sum' or 'mean', got {reduction!r}.")
+
+
+def grpo_loss(
+    logps: Tensor,
+    valid: Tensor,
+    advantages: Tensor,
+    *,
+    old_logps: Tensor | None = None,
+    epsilon: float = 0.2,
+    reduction: str = "token_mean",
+) -> Tensor:
+    """The clipped GRPO / PPO policy loss over rollouts, from ``gather_logps``.
+
+    Per token: ``ratio = exp(logp - old_logp)`` and
+    ``loss_t = -min(ratio * A_n, clip(ratio, 1 - epsilon, 1 + epsilon) * A_n)``, where ``A_n``
+    is the advantage of the token's rollout. ``old_logps=None`` is the on-policy step
+    (``old_logp = logp.detach()``: ratio 1, gradient ``-A_n * grad logp``).
+
+    Unpacked equivalent, rollouts run one per sequence with the same per-token terms:
+    "token_mean" is ``sum_n sum_t loss_{n,t} / sum_n len_n`` (every token weighs the same, as
+    DAPO and TRL's default); "sequence_mean" is ``mean_n (sum_t loss_{n,t} / len_n)``, the
+    original GRPO normalization. Rollouts without targets count for nothing.
+
+    Args:
+        logps: (N, L) float, from :meth:`TreeBatch.gather_logps`.
+        valid: (N, L) bool, from the same call.
+        advantages: (N,) float, one per rollout (e.g. rewards normalized within each group of
+            ``batch.rollout_groups``).
+        old_logps: (N, L) log-probs of the sampling policy, or None.
+        epsilon: clipping range.
+        reduction: "token_mean" or "sequence_mean".
+
+    Returns:
+        A scalar tensor.
+
+    Example:
+        >>> logps = torch.tensor([[-1.0, -2.0], [-0.5, 0.0]], requires_grad=True)
+        >>> valid = torch.tensor([[True, True], [True, False]])
+        >>> loss = grpo_loss(logps, valid, torch.tensor([1.0, -1.0]))
+        >>> loss.backward(); logps.grad  # -A_n / (3 tokens) on every valid token
+        tensor([[-0.3333, -0.3333],
+                [ 0.3333,  0.0000]])
+    """
+    _check_pair(logps, valid)
+    if not isinstance(advantages, Tensor) or tuple(advantages.shape) != (logps.shape[0],):
+        got = tuple(advantages.shape) if isinstance(advantages, Tensor) else type(advantages)
+        raise ValueError(
+            f"advantages must be a ({logps.shape[0]},) tensor, one per rollout, got {got}."
+        )
+    old = logps.detach() if old_logps is None else old_logps
+    if tuple(old.shape) != tuple(logps.shape):
+        raise ValueError(
+            f"old_logps must have the shape of logps {tuple(logps.shape)}, got {tuple(old.shape)}."
+        )
+    ratio = torch.exp(torch.where(valid, logps - old, 0.0))
+    adv = advantages.to(logps.dtype)[:, None]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon) * adv)
+    per_token = torch.where(valid, per_token, 0.0)
+    if reduction == "token_mean":
+        return per_token.sum() / valid.sum().clamp(min=1)
+    if reduction == "sequence_mean":
+        n = valid.sum(-1)
+        has = n > 0
+        per_rollout = per_token.sum(-1) / n.clamp(min=1)
+        return per_rollout[has].sum() / has.sum().clamp(min=1)
+    raise ValueError(f"reduction must be 'token_mean' or 'sequence_mean', got {reduction!r}.")
+
+
+def _check_pair(logps: Tensor, valid: Tensor) -> None:
+    if not isinstance(logps, Tensor) or not isinstance(valid, Tensor):
+        raise TypeError("logps and valid must be the tensors TreeBatch.gather_logps returns.")
+    if logps.shape != valid.shape or valid.dtype != torch.bool:
+        raise ValueError(
+            f"logps and valid must have one shape (N, L) and valid be bool, got "
+            f"{tuple(logps.shape)} and {tuple(valid.shape)} {valid.dtype}; pass both results of "
+            f"TreeBatch.gather_logps."
+        )
