@@ -1,42 +1,133 @@
 """Kernel paths of ``flexpack.attention``: compiled flex_attention, torch's FlashAttention varlen.
 
 Compilation is lazy and cached (nothing compiles at import). Shapes are fixed
-(``dynamic=False``): a new (B, H, S, D) compiles once more, a new document layout at the same shape
-does not. Dynamo keeps at most ``torch._dynamo.config.recompile_limit`` compiled variants per
-function and then silently runs flex_attention eagerly, which materializes the whole score matrix
-(one peer's users lost 5x that way). Here that case raises instead, with the fix.
+(``dynamic=False``): a new (B, H, S, D) compiles once more, a new document layout, window or
+softcap at the same shape does not (they are tensors the mask reads). Every configuration
+(device, dtype, grad or not, scale, GQA, softcap, block size) gets its own compiled wrapper with
+its own dynamo cache (``isolate_recompiles``), so ``torch._dynamo.config.recompile_limit`` counts
+the shapes of one configuration, not everything flex_attention ever ran on. Past that limit dynamo
+would silently run flex_attention eagerly, which materializes the whole score matrix (one peer's
+users lost 5x that way); here that case raises instead, naming the guard that failed.
+
+CUDA facts this module works around (torch 2.13's inductor flex templates):
+
+- head dims below 16 are rejected ("NYI: embedding dimension ... at least 16"): q, k and v are
+  zero-padded to 16 channels (exact: zero channels add nothing to the scores, and the padded
+  output channels are dropped), with the scale of the true head dim;
+- the forward and backward configs use blocks of up to 128 (sm90 bf16: BLOCK_M=128), and a
+  BlockMask whose block size they do not divide fails to compile; ``flexpack.attention`` keeps
+  flex BlockMasks at multiples of 128 on CUDA (:data:`CUDA_BLOCK_MULTIPLE`);
+- FlashAttention's varlen kernel takes head dims that are multiples of 8, up to 256.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import threading
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpack._attention_sdpa import _tokens, _untokens, cached_plan, document_groups
+from flexpack._attention_sdpa import _tokens, _untokens, cached_plan
 
 
 class RecompileLimitError(RuntimeError):
     """Compiled flex_attention hit dynamo's recompile limit and would run eagerly (slowly)."""
 
 
-@functools.cache
-def compiled_flex_attention(device_type: str, dtype: torch.dtype, dynamic: bool = False):
-    """``torch.compile(flex_attention)`` for one (device type, dtype, options), built once.
+# The dynamo backend of the compiled wrappers; the tests swap in dynamo's CompileCounter.
+_BACKEND: object = "inductor"
 
-    ``device_type`` and ``dtype`` only key the cache: one compiled wrapper per configuration keeps
-    each configuration's guards apart and makes the compile count easy to reason about.
+# Smallest head dim inductor's CUDA flex kernels take (tl.dot needs 16).
+MIN_CUDA_FLEX_HEAD_DIM = 16
+# Block sizes of a BlockMask flex runs with on CUDA: the largest BLOCK_M / BLOCK_N of torch
+# 2.13's default forward and backward configs (sm80/sm90/sm100) is 128, and every smaller one
+# divides it.
+CUDA_BLOCK_MULTIPLE = 128
+# FlashAttention's varlen kernel: head dim a multiple of 8, at most 256.
+VARLEN_MAX_HEAD_DIM = 256
+
+
+@functools.cache
+def compiled_flex_attention(config: tuple, dynamic: bool = False):
+    """``torch.compile(flex_attention)`` for one configuration, built once, with its own cache.
+
+    ``config`` only keys the cache (device type, dtype, grad, scale, ...). ``isolate_recompiles``
+    gives each wrapper its own dynamo cache entries and recompile count; the limit is
+    ``torch._dynamo.config.recompile_limit`` at call time.
     """
-    del device_type, dtype
-    return torch.compile(flex_attention, dynamic=dynamic, fullgraph=True)
+    del config
+    return torch.compile(
+        flex_attention,
+        backend=_BACKEND,
+        dynamic=dynamic,
+        fullgraph=True,
+        isolate_recompiles=True,
+    )
 
 
 def _recompile_limit() -> int:
     cfg = torch._dynamo.config
     return int(getattr(cfg, "recompile_limit", getattr(cfg, "cache_size_limit", 8)))
+
+
+class _RecompileReason(logging.Handler):
+    """Keeps the guard dynamo names when it hits the recompile limit ("last reason: ...").
+
+    Dynamo logs that warning (``torch._dynamo.convert_frame``) right before it raises; the
+    exception itself does not carry the reason.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.local = threading.local()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "hit config." in str(record.msg) and isinstance(record.args, tuple):
+            if len(record.args) >= 4:
+                self.local.reason = str(record.args[3])
+
+    def take(self) -> str | None:
+        reason = getattr(self.local, "reason", None)
+        self.local.reason = None
+        return reason
+
+
+@functools.cache
+def _reason_handler() -> _RecompileReason:
+    handler = _RecompileReason()
+    logging.getLogger("torch._dynamo.convert_frame").addHandler(handler)
+    return handler
+
+
+def recompile_limit_message(reason: str | None, q: Tensor, k: Tensor, block_mask: BlockMask) -> str:
+    """The RecompileLimitError text: the failed guard, this call's inputs, and the fix."""
+    what = (
+        f"the guard that failed: {reason.strip()}"
+        if reason
+        else "dynamo did not report which guard failed (TORCH_LOGS=recompiles shows it)"
+    )
+    return (
+        f"compiled flex_attention hit torch._dynamo.config.recompile_limit="
+        f"{_recompile_limit()} for one configuration (device, dtype, grad, scale, GQA, softcap "
+        f"and block size each get their own compiled function); {what}. This call: q "
+        f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, block size {block_mask.BLOCK_SIZE}. "
+        "Dynamo would now run flex_attention eagerly, which materializes the full score matrix "
+        "and is many times slower. Fix: feed rows of a fixed length (pack to max_len and keep "
+        "the padding; a few bucket lengths at most) and keep mask parameters in tensors, or "
+        "raise torch._dynamo.config.recompile_limit if you really need more variants."
+    )
+
+
+def flex_head_dim(device: torch.device, head_dim: int) -> int:
+    """The head dim flex runs with: zero-padded to 16 on CUDA below 16, else unchanged."""
+    if device.type == "cuda" and head_dim < MIN_CUDA_FLEX_HEAD_DIM:
+        return MIN_CUDA_FLEX_HEAD_DIM
+    return head_dim
 
 
 def softcap_score_mod(softcap: float, device: torch.device):
@@ -63,25 +154,40 @@ def flex(
     enable_gqa: bool,
     softcap: float | None = None,
 ) -> Tensor:
-    """Compiled flex_attention; raises :class:`RecompileLimitError` instead of an eager fallback."""
-    fn = compiled_flex_attention(q.device.type, q.dtype)
+    """Compiled flex_attention; raises :class:`RecompileLimitError` instead of an eager fallback.
+
+    Head dims below 16 on CUDA run zero-padded to 16 (see the module docstring).
+    """
+    D = q.shape[-1]
+    padded = flex_head_dim(q.device, D)
+    if padded != D:
+        scale = D**-0.5 if scale is None else scale
+        q, k, v = (F.pad(x, (0, padded - D)) for x in (q, k, v))
+    grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))
+    config = (
+        q.device.type,
+        q.dtype,
+        grad,
+        scale,
+        enable_gqa,
+        softcap is not None,
+        tuple(block_mask.BLOCK_SIZE),
+    )
+    fn = compiled_flex_attention(config)
     score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
+    handler = _reason_handler()
+    handler.take()
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-            return fn(
+            out = fn(
                 q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                 enable_gqa=enable_gqa,
             )  # fmt: skip
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
-            f"compiled flex_attention hit torch._dynamo.config.recompile_limit="
-            f"{_recompile_limit()}: it has been compiled for that many distinct input shapes "
-            f"(this call: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, "
-            f"block size {block_mask.BLOCK_SIZE}). Dynamo would now run flex_attention eagerly, "
-            "which materializes the full score matrix and is many times slower. Fix: feed rows "
-            "of a fixed length (pack to max_len and keep the padding; a few bucket lengths at "
-            "most), or raise torch._dynamo.config.recompile_limit if you really need more shapes."
+            recompile_limit_message(handler.take(), q, k, block_mask)
         ) from err
+    return out[..., :D] if padded != D else out
 
 
 @functools.cache
@@ -110,11 +216,68 @@ class _VarlenPlan:
 
 
 def _varlen_plan(doc_ids: Tensor) -> _VarlenPlan:
-    groups = document_groups(doc_ids)
-    order, T = groups.order, groups.order.numel()
-    identity = T == doc_ids.numel() and bool((order == torch.arange(T, device=order.device)).all())
-    max_seqlen = int(groups.seqlens.max()) if T else 0
-    return _VarlenPlan(order, groups.cu_seqlens, max_seqlen, identity)
+    """The plan of (B, S) doc ids with one host sync: four counts read back together.
+
+    Tokens are ordered by (row, id, position), as ``document_groups`` does; boolean indexing and
+    ``nonzero`` (a sync each) become ``nonzero_static`` with the counts read in the one sync.
+    """
+    B, S = doc_ids.shape
+    device = doc_ids.device
+    ids, idx = torch.sort(doc_ids.long(), dim=1, stable=True)  # padding (< 0) first per row
+    keep = (ids >= 0).reshape(-1)  # (B * S,)
+    ids = ids.reshape(-1)
+    pos = torch.arange(B * S, device=device)
+    start = keep.clone()  # a kept token that opens a document (new id, or a new row)
+    start[1:] &= (ids[1:] != ids[:-1]) | (pos[1:] % S == 0)
+    run_start = torch.where(start, pos, 0).cummax(0).values
+    longest = torch.where(keep, pos - run_start + 1, 0).max()
+    in_order = keep.all() & (idx == torch.arange(S, device=device)).all()
+    T, N, max_seqlen, identity = torch.stack(
+        (keep.sum(), start.sum(), longest, in_order.long())
+    ).tolist()  # the one host sync
+    flat = (idx + torch.arange(B, device=device)[:, None] * S).reshape(-1)
+    kept = torch.nonzero_static(keep, size=T).squeeze(1)
+    order = flat.index_select(0, kept)
+    rank = torch.cumsum(keep, 0, dtype=torch.int32) - 1  # position in the unpadded stream
+    cu_seqlens = torch.empty(N + 1, dtype=torch.int32, device=device)
+    cu_seqlens[:N] = rank.index_select(0, torch.nonzero_static(start, size=N).squeeze(1))
+    cu_seqlens[N] = T
+    return _VarlenPlan(order, cu_seqlens, int(max_seqlen), bool(identity))
+
+
+def layout_varlen_plan(layout, B: int | None = None) -> _VarlenPlan | None:
+    """The varlen plan of a ``PackedLayout`` from its cached views: no host sync.
+
+    The packer computes ``indices``, ``cu_seqlens`` and ``max_seqlen`` on the host; a layout
+    moved with ``.to(device)`` carries them along. Returns None when a view has not been
+    computed yet (computing it here would cost the syncs this avoids), or when ``B`` rows are
+    asked of a layout with another number of rows.
+    """
+    cache = getattr(layout, "__dict__", {})
+    if not all(name in cache for name in ("indices", "cu_seqlens", "max_seqlen")):
+        return None
+    rows, S = layout.shape
+    if B is not None and B != rows:
+        return None
+    order = cache["indices"]  # ascending: documents are contiguous runs, in position order
+    identity = order.numel() == rows * S  # no padding: every token, in order
+    return _VarlenPlan(order, cache["cu_seqlens"], int(cache["max_seqlen"]), identity)
+
+
+def use_layout(layout, doc_ids: Tensor | None = None) -> bool:
+    """Let the varlen path take ``layout``'s host-computed plan for ``doc_ids``.
+
+    Seeds the per-doc_ids plan cache for ``doc_ids`` (a mask's own copy of ``layout.doc_ids``;
+    default ``layout.doc_ids``), so a mask over those ids runs varlen with no host sync at all.
+    Returns whether the layout had its views cached.
+    """
+    plan = layout_varlen_plan(layout)
+    if plan is None:
+        return False
+    rows = layout.shape[0]
+    ids = layout.doc_ids if doc_ids is None else doc_ids
+    cached_plan("varlen", ids, rows, lambda _: plan)
+    return True
 
 
 def varlen(
@@ -130,8 +293,9 @@ def varlen(
     """torch's FlashAttention varlen kernel over the documents of ``doc_ids`` (B or 1, S).
 
     Tokens are unpadded flash-attn style (``indices`` / ``cu_seqlens``), attended per document
-    and scattered back; padding gets 0. The plan (one host sync for ``max_seqlen``) is computed
-    once per doc_ids tensor and reused across layers. Rows without padding whose documents are in
+    and scattered back; padding gets 0. The plan (one host sync, none when seeded from a
+    ``PackedLayout`` by :func:`use_layout`) is computed once per doc_ids tensor and reused
+    across layers. Rows without padding whose documents are in
     order skip the gather and scatter; with q, k, v laid out (B, S, H, D) underneath, as models
     produce them before ``transpose(1, 2)``, no copy is made at all.
     """

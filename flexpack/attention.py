@@ -5,8 +5,11 @@ One call picks the path that can run the mask on the inputs' device:
 ========  ==========================================================================
 device    path (``backend="auto"``)
 ========  ==========================================================================
-CUDA      document / document_causal masks in fp16/bf16: torch's varlen FlashAttention;
-          causal alone: SDPA ``is_causal``; any other mask: compiled flex_attention
+CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 8 up to 256:
+          torch's varlen FlashAttention; causal alone: SDPA ``is_causal`` (fp32 with GQA: k, v
+          repeated, so SDPA stays off its O(S^2) math kernel); any other mask: compiled
+          flex_attention, with a BlockMask of 128-token blocks built once per forward (head
+          dims below 16 zero-padded to 16)
 CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
           flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
           ``is_causal``; other masks: compiled flex_attention at fixed shapes without
@@ -75,13 +78,25 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
                 f"the BlockMask has batch size {Bm} but q has batch size {B}; expected 1 or {B}"
             )
         if block_mask.kv_num_blocks.device != q.device:
+            how = (
+                f"flexpack.masks.mask_of(block_mask).to({str(q.device)!r}).block_mask()"
+                if recovered is not None
+                else f"create_block_mask(..., device={str(q.device)!r}) with a mask_mod that "
+                "reads tensors on that device"
+            )
             raise ValueError(
-                f"the BlockMask is on {block_mask.kv_num_blocks.device} but q is on {q.device}; "
-                "build the mask from doc_ids on the same device (or move it with .to(device))"
+                f"the BlockMask is on {block_mask.kv_num_blocks.device} but q is on {q.device}. "
+                "BlockMask.to(device) moves the block tables but not the tensors its mask_mod "
+                f"reads, so rebuild it on q's device: {how}"
             )
         if recovered is None:
             return _MaskSpec(kind=None, doc_ids=None, mask=None, block_mask=block_mask)
         mask = recovered
+        if any(t.device != q.device for t in _mask_tensors(mask)):
+            # A flexpack BlockMask moved with BlockMask.to(): its tables moved, the tensors its
+            # mask_mod reads did not. Read them from a copy of the mask on q's device.
+            mask = mask.to(q.device)
+            block_mask = _with_mask_mod(block_mask, mask.mask_mod)
     elif not _is_flexpack_mask(mask):
         raise TypeError(
             f"mask must be a flexpack Mask (flexpack.masks.document(doc_ids) & "
@@ -101,9 +116,35 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
         if doc_ids.device != q.device:
             raise ValueError(
                 f"the mask's doc_ids are on {doc_ids.device} but q is on {q.device}; "
-                "build the mask from doc_ids on q's device (doc_ids.to(q.device))"
+                "move the mask with mask.to(q.device) (it moves every tensor the mask reads), "
+                "or build it from doc_ids on q's device"
             )
     return _MaskSpec(kind=mask.kind, doc_ids=doc_ids, mask=mask, block_mask=block_mask)
+
+
+def _mask_tensors(mask: object) -> list[Tensor]:
+    tensors = getattr(mask, "_tensors", None)
+    if tensors is not None:
+        return tensors()
+    doc_ids = getattr(mask, "doc_ids", None)
+    return [] if doc_ids is None else [doc_ids]
+
+
+def _with_mask_mod(block_mask: BlockMask, mask_mod: Any) -> BlockMask:
+    """The same block tables with another mask_mod (no copy)."""
+    return BlockMask(
+        seq_lengths=block_mask.seq_lengths,
+        kv_num_blocks=block_mask.kv_num_blocks,
+        kv_indices=block_mask.kv_indices,
+        full_kv_num_blocks=block_mask.full_kv_num_blocks,
+        full_kv_indices=block_mask.full_kv_indices,
+        q_num_blocks=block_mask.q_num_blocks,
+        q_indices=block_mask.q_indices,
+        full_q_num_blocks=block_mask.full_q_num_blocks,
+        full_q_indices=block_mask.full_q_indices,
+        BLOCK_SIZE=block_mask.BLOCK_SIZE,
+        mask_mod=mask_mod,
+    )
 
 
 def _autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -166,6 +207,11 @@ def _needs_grad(q: Tensor, k: Tensor, v: Tensor) -> bool:
     return torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
 
 
+def _varlen_head_dim(D: int) -> bool:
+    """FlashAttention 2's head dims (torch's varlen kernel): multiples of 8, at most 256."""
+    return D % 8 == 0 and D <= _attention_flex.VARLEN_MAX_HEAD_DIM
+
+
 def _choose_path(
     q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str, softcap: float | None = None
 ) -> str:
@@ -207,6 +253,11 @@ def _choose_path(
             problems.append(f"it supports document and document_causal masks only (got {what})")
         if softcap is not None:
             problems.append("it has no attention-logit soft-capping (softcap)")
+        if not _varlen_head_dim(q.shape[-1]):
+            problems.append(
+                f"FlashAttention takes head dims that are multiples of 8 up to "
+                f"{_attention_flex.VARLEN_MAX_HEAD_DIM} (q has {q.shape[-1]})"
+            )
         if on_cuda and not _attention_flex.varlen_available(q.device):
             problems.append(
                 f"it needs torch >= 2.10 (have {torch.__version__}) and a GPU of compute "
@@ -224,6 +275,7 @@ def _choose_path(
         if (
             per_document
             and softcap is None
+            and _varlen_head_dim(q.shape[-1])
             and q.dtype in _attention_flex.VARLEN_DTYPES
             and _attention_flex.varlen_available(q.device)
         ):
@@ -237,6 +289,81 @@ def _choose_path(
     if q.device.type == "cpu" and not grad:
         return "flex"
     return sdpa_path()
+
+
+def _kv_for_causal_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, enable_gqa: bool
+) -> tuple[Tensor, Tensor, bool]:
+    """k, v (and enable_gqa) for SDPA ``is_causal`` without its O(S^2) math fallback.
+
+    On CUDA, SDPA's GQA runs in the flash kernel only, which takes fp16/bf16: fp32 with
+    ``enable_gqa`` falls back to the math kernel (the (B, H, S, S) score matrix). Repeating k
+    and v to the query heads (O(S) memory) keeps the memory-efficient kernel.
+    """
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if q.device.type == "cuda" and enable_gqa and Hkv != Hq and q.dtype == torch.float32:
+        rep = Hq // Hkv
+        return k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1), False
+    return k, v, enable_gqa
+
+
+# BlockMasks built for flexpack Masks on the flex path, reused by every layer of a forward:
+# (id of the mask_mod, B, S, block size, device) -> (mask_mod, tensor versions, BlockMask). The
+# BlockMask holds its mask_mod, so an id is never reused while its entry lives.
+_BLOCK_MASKS: dict[tuple, tuple[Any, tuple[int, ...], BlockMask]] = {}
+_MAX_BLOCK_MASKS = 8
+
+
+def _versions(mask: Any) -> tuple[int, ...] | None:
+    try:
+        return tuple(t._version for t in _mask_tensors(mask))
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _cached_block_mask(mask: Any, B: int, S: int, block_size: int, device: torch.device):
+    """``mask.block_mask(...)``, built once while the mask and its tensors are unchanged."""
+    versions = _versions(mask)
+    key = (id(mask.mask_mod), B, S, block_size, str(device))
+    hit = _BLOCK_MASKS.get(key)
+    if versions is not None and hit is not None and hit[0] is mask.mask_mod and hit[1] == versions:
+        return hit[2]
+    # Masks with doc ids build on their device (that of q, checked by _mask_spec).
+    where = None if getattr(mask, "doc_ids", None) is not None else device
+    built = mask.block_mask(B=B, Q_LEN=S, KV_LEN=S, device=where, block_size=block_size)
+    if versions is not None:
+        if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
+            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+        _BLOCK_MASKS[key] = (mask.mask_mod, versions, built)
+    return built
+
+
+def _flex_block_mask(spec: _MaskSpec, S: int, device: torch.device) -> BlockMask:
+    """The BlockMask flex runs with: the caller's, or one built (once) from the flexpack mask.
+
+    On CUDA, inductor's flex configs use blocks of up to 128 (sm90 bf16: BLOCK_M=128) and fail
+    on a BlockMask whose block size they do not divide; the backward has no config at all for
+    64-token blocks there. A flexpack BlockMask of another block size is rebuilt at 128; a
+    foreign one raises with the fix.
+    """
+    block_mask = spec.block_mask
+    multiple = _attention_flex.CUDA_BLOCK_MULTIPLE
+    if block_mask is not None:
+        sizes = tuple(block_mask.BLOCK_SIZE)
+        if device.type != "cuda" or all(b % multiple == 0 for b in sizes):
+            return block_mask
+        if spec.mask is None:
+            raise ValueError(
+                f"the BlockMask has BLOCK_SIZE={sizes}, but flex_attention on CUDA needs "
+                f"multiples of {multiple}: torch {torch.__version__}'s kernels use blocks of up "
+                f"to {multiple} (BLOCK_M=128 for bf16 on sm90) and fail to compile otherwise. "
+                f"Build it with create_block_mask(..., BLOCK_SIZE={multiple})."
+            )
+        block_size = multiple * -(-max(sizes) // multiple)
+    else:
+        block_size = multiple  # flexpack's default block size, right for CUDA and CPU alike
+    Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
+    return _cached_block_mask(spec.mask, Bm, S, block_size, device)
 
 
 def _dense_mask(spec: _MaskSpec, B: int, Hq: int, S: int, device: torch.device) -> Tensor:
@@ -347,10 +474,7 @@ def attention(
             # flex_attention rejects CPU inputs that require grad even under no_grad, where no
             # graph is recorded anyway.
             q, k, v = q.detach(), k.detach(), v.detach()
-        block_mask = spec.block_mask
-        if block_mask is None:
-            Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
-            block_mask = spec.mask.block_mask(B=Bm, Q_LEN=S, KV_LEN=S, device=q.device)
+        block_mask = _flex_block_mask(spec, S, q.device)
         return _attention_flex.flex(
             q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap
         )
@@ -366,6 +490,7 @@ def attention(
             softcap=softcap,
         )  # fmt: skip
     if path == "sdpa_causal":
+        k, v, enable_gqa = _kv_for_causal_sdpa(q, k, v, enable_gqa)
         return _attention_sdpa.sdpa(
             q, k, v, is_causal=True, scale=scale, enable_gqa=enable_gqa, softcap=softcap
         )

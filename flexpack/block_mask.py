@@ -45,6 +45,8 @@ __all__ = [
     "combine_and",
     "combine_not",
     "combine_or",
+    "document_block_mask",
+    "packed_layout",
 ]
 
 
@@ -357,6 +359,8 @@ def combine_not(classes: Tensor) -> Tensor:
     return FULL - classes
 
 
+_SERIAL_ELEMENTS = 1 << 15  # torch's intra-op grain size: smaller ops stay on one thread
+_SERIAL_MAX_TOTAL = 1 << 20  # outputs up to this many entries are written serially
 _PAIRS = 1 << 20  # block pairs per step of _nonempty_generic (~40 MB of temporaries)
 _CHUNK = 1 << 18  # block-matrix entries per step of _ordered: bounds its temporaries (~4 MB)
 
@@ -382,9 +386,11 @@ def _ordered(classes: Tensor, value: int, transpose: bool) -> tuple[Tensor, Tens
     num = torch.empty(B * n, dtype=torch.int32, device=device)
     indices = torch.empty(B * n, m, dtype=torch.int32, device=device)
     j = torch.arange(m, dtype=torch.int32, device=device)
-    # Rows go in at most a few steps only to bound the temporaries (~17 bytes per entry of a
-    # step) to a fraction of the output; each step is vectorized over its rows.
-    step = max(1, min(_CHUNK // m, -(-(B * n) // 4)))
+    # Rows go in a few steps only to bound the temporaries (~17 bytes per entry of a step) to
+    # a fraction of the output; each step is vectorized over its rows. Small block matrices go
+    # in one step: there the per-op overhead, not memory, is the cost.
+    rows = B * n
+    step = rows if rows * m <= _CHUNK // 4 else max(1, min(_CHUNK // m, -(-rows // 4)))
     for r in range(0, B * n, step):
         hit = classes[r : r + step] == value  # (rows, m) bool
         cnt = hit.sum(-1, dtype=torch.int32)
@@ -397,6 +403,189 @@ def _ordered(classes: Tensor, value: int, transpose: bool) -> tuple[Tensor, Tens
         indices[r : r + step].scatter_(-1, dest.long(), j.expand_as(dest))
         num[r : r + step] = cnt
     return num.view(B, 1, n), indices.view(B, 1, n, m)
+
+
+def packed_layout(doc_ids: Tensor) -> bool:
+    """Whether every row is a packer layout: real ids non-decreasing, padding only at the end.
+
+    One host sync. Such rows admit :func:`document_block_mask`'s direct construction.
+
+    Example:
+        >>> packed_layout(torch.tensor([[0, 0, 1, -1]])), packed_layout(torch.tensor([[0, -1, 0]]))
+        (True, False)
+    """
+    d = _narrow(doc_ids)
+    real = d >= 0
+    after, before = real[:, 1:], real[:, :-1]
+    # A real token after padding, or a real id below the one before it.
+    bad = after & (~before | (d[:, 1:] < d[:, :-1]))
+    return not bool(bad.any())
+
+
+def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
+    """Per block i of a packed layout: the kv blocks sharing a document, as two nested runs.
+
+    Returns (a, c, d, b), each (B, nb) int64: blocks [a, b) share a document with block i
+    (non-empty), blocks [c, d) are full (c == d == b when none). The document mask is
+    symmetric, so the same runs describe the q blocks of kv block i.
+
+    Every document is one run of tokens [start, end]: block i meets the documents of its first
+    and last real tokens and those between, so its non-empty run goes from the block of the
+    first one's start to the block of the last one's end. A block is full-capable when one
+    document covers it; its full run is the blocks that document covers entirely. Only
+    per-token scans and (B, nb) gathers: no sort, search or per-block reduction (those run
+    multi-threaded on CPU even for small inputs, which costs more than the work).
+    """
+    B, S = doc_ids.shape
+    device = doc_ids.device
+    i32 = torch.int32  # positions and ranks fit (S < 2^31): half the bytes of int64
+    real = doc_ids >= 0  # a prefix of each row
+    opens = real.clone()  # the token opens a document
+    opens[:, 1:] &= doc_ids[:, 1:] != doc_ids[:, :-1]
+    rank = torch.cumsum(opens, 1, dtype=i32).sub_(1)  # (B, S): document 0..n-1, runs on
+    # starts[b, r]: first token of document r; n_real for r >= the row's document count, so
+    # that starts[b, r + 1] - 1 is the last token of document r. One flat table, S + 2 per
+    # row; the last slot of each row takes the writes of the tokens that open nothing.
+    width = S + 2
+    n_real = real.sum(1, dtype=i32)  # (B,)
+    starts = n_real.repeat_interleave(width, output_size=B * width)
+    row0 = torch.arange(0, B * width, width, dtype=i32, device=device)[:, None]
+    slot = torch.where(opens, rank, width - 1).add_(row0).view(-1).long()  # index_copy_: int64
+    pos = torch.arange(S, dtype=i32, device=device)
+    starts.index_copy_(0, slot, pos.expand(B, S).reshape(-1))
+    starts = starts.view(B, width)
+    first_pos = torch.arange(0, S, block_size, device=device)  # (nb,) each block's first token
+    last_pos = torch.clamp(first_pos + block_size, max=S) - 1  # its last in-range token
+    any_real = real[:, first_pos]  # (B, nb): padding only at the row end
+    first = rank[:, first_pos].clamp_(min=0).long()  # document of the block's first token
+    last = rank[:, last_pos].clamp_(min=0).long()  # of its last real token (rank runs on)
+    first_start = torch.gather(starts, 1, first).long()
+    last_end = torch.gather(starts, 1, last + 1).long() - 1
+    a = first_start // block_size
+    b = torch.where(any_real, last_end // block_size + 1, a)
+    capable = any_real & (first == last) & real[:, last_pos]
+    c = torch.where(capable, -(-first_start // block_size), b)
+    d = torch.where(capable, (last_end + 1) // block_size, b)
+    return a, c, d, b
+
+
+def _run_indices(runs: Tensor, m: int) -> tuple[Tensor, Tensor]:
+    """Counts and indices of rows whose hits are the runs [a, c) and [d, b), a <= c <= d <= b.
+
+    Per row, the hits in ascending order, then the misses in ascending order (the layout of
+    ``_ordered``), written without sorting: the index at position p is p plus an offset that
+    changes at four breakpoints, so one scatter of the steps and a cumulative sum give it, in
+    the output buffer itself (no temporaries of the output's size).
+
+    Args:
+        runs: (4, rows) int64, the rows' a, c, d, b.
+        m: columns.
+
+    Returns:
+        (rows,) int32 counts and (rows, m) int32 indices.
+    """
+    a, c, d, b = runs
+    n1 = c - a
+    cnt = n1 + (b - d)
+    zero = torch.zeros_like(a)
+    # Offset by segment: hits of run 1 -> a; of run 2 -> d - n1; misses before a -> -cnt;
+    # misses in [c, d) -> c - a - cnt; past b -> 0 (the index is the position there).
+    values = torch.stack((zero, a, d - n1, -cnt, c - a - cnt, zero), -1)
+    starts = torch.stack((zero, n1, cnt, cnt + a, b), -1)
+    # A segment starting at m adds nothing: park it on column 0 with a step of 0.
+    inside = starts < m
+    steps = (values[:, 1:] - values[:, :-1]).masked_fill_(~inside, 0).to(torch.int32)
+    starts = starts.masked_fill_(~inside, 0)
+    rows = a.numel()
+    out = torch.empty(rows, m, dtype=torch.int32, device=a.device)
+    j = torch.arange(m, dtype=torch.int32, device=a.device)
+    # On CPU, a small output is written in pieces below torch's intra-op grain size (32768
+    # elements): each op then runs on the calling thread. A parallel region costs a thread
+    # wake-up, which on a loaded machine (a descheduled worker) is milliseconds, many times
+    # the work itself. Large outputs keep a few parallel pieces.
+    total = rows * m
+    piece = _SERIAL_ELEMENTS if total <= _SERIAL_MAX_TOTAL else max(total // 4, _SERIAL_ELEMENTS)
+    step = rows if a.device.type != "cpu" else max(1, piece // m)
+    for r in range(0, rows, step):
+        o = out[r : r + step].zero_()
+        o.scatter_add_(1, starts[r : r + step], steps[r : r + step])
+        o.cumsum_(1)
+        o.add_(j)
+    return cnt.to(torch.int32), out
+
+
+def document_block_mask(
+    doc_ids: Tensor,
+    *,
+    causal: bool,
+    block_size: int,
+    mask_mod: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor],
+    batch: int | None = None,
+) -> BlockMask:
+    """The document (or document-causal) BlockMask of a packed layout, written directly.
+
+    For ids in order with padding at the row ends (:func:`packed_layout`), the kv blocks that
+    share a document with a q block form one run, full in the middle and partial at its ends,
+    and the q side mirrors it. The index tensors are written from those per-block runs, without
+    classifying or ordering a (B, nq, nk) tensor: identical to ``create_block_mask``'s.
+
+    Args:
+        doc_ids: (B, S) integer, a packed layout (check with :func:`packed_layout`).
+        causal: add ``q_idx >= kv_idx``.
+        block_size: tokens per block.
+        mask_mod: the element mask the kernel applies inside partial blocks.
+        batch: expand B=1 doc ids to this many rows.
+
+    Example:
+        >>> d = torch.tensor([[0, 0, 0, 1, 1, -1]])
+        >>> bm = document_block_mask(d, causal=True, block_size=2,
+        ...                          mask_mod=lambda b, h, q, kv: q >= kv)
+        >>> bm.kv_num_blocks.tolist(), bm.full_kv_num_blocks.tolist()
+        ([[[1, 2, 2]]], [[[0, 0, 0]]])
+    """
+    B, S = doc_ids.shape
+    nb = _num_blocks(S, block_size)
+    a, c, d, b = _document_runs(doc_ids, block_size)
+    if batch is not None and batch != B:
+        a, c, d, b = (x.expand(batch, nb) for x in (a, c, d, b))
+        B = batch
+    i = torch.arange(nb, device=a.device)
+    if S % block_size:  # the tail block reaches past S: never full (as create_block_mask)
+        last = i == nb - 1
+        d = torch.where(last, c, torch.clamp(d, max=nb - 1))
+
+    def side(a, c, d, b) -> list[Tensor]:  # partial runs [a, c) + [d, b), full run [c, d)
+        empty = c >= d
+        c, d = torch.where(empty, b, c), torch.where(empty, b, d)
+        return [a, c, d, b, c, d, d, d]
+
+    if causal:
+        diag = int(block_size == 1)  # a diagonal block is full only for 1-token blocks
+        bk = torch.minimum(b, i + 1)  # kv side, row = q block i: keys up to block i
+        runs = side(torch.minimum(a, bk), c, torch.minimum(d, i + diag), bk)
+        # q side, row = kv block i: queries from block i on (the mask is symmetric before
+        # the causal cut, so the document runs serve both sides).
+        runs += side(torch.minimum(torch.maximum(a, i), b), torch.maximum(c, i + 1 - diag), d, b)
+    else:
+        runs = side(a, c, d, b)
+    num, idx = _run_indices(
+        torch.stack(runs).view(-1, 4, B * nb).transpose(0, 1).reshape(4, -1), nb
+    )
+    num, idx = num.view(-1, B, 1, nb), idx.view(-1, B, 1, nb, nb)
+    kv, q = (0, 1), (2, 3) if causal else (0, 1)
+    return BlockMask(
+        seq_lengths=(S, S),
+        kv_num_blocks=num[kv[0]],
+        kv_indices=idx[kv[0]],
+        full_kv_num_blocks=num[kv[1]],
+        full_kv_indices=idx[kv[1]],
+        q_num_blocks=num[q[0]],
+        q_indices=idx[q[0]],
+        full_q_num_blocks=num[q[1]],
+        full_q_indices=idx[q[1]],
+        BLOCK_SIZE=(block_size, block_size),
+        mask_mod=mask_mod,
+    )
 
 
 def build_block_mask(

@@ -253,9 +253,12 @@ def _causal_mod() -> MaskMod:
     return causal
 
 
-def _window_mod(window: int) -> MaskMod:
+def _window_mod(window: int, limit: Tensor) -> MaskMod:
+    # ``limit`` is ``window`` as a 0-d tensor: a compiled graph reads it as an input, so a new
+    # window at the same shape reuses the compiled kernel (a Python int would be baked into the
+    # graph and recompile, 7-18 s each on CPU, against dynamo's recompile limit).
     def sliding_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return q_idx - kv_idx <= window
+        return q_idx - kv_idx <= limit
 
     return _named(sliding_window, f"sliding_window_{window}")
 
@@ -354,7 +357,16 @@ class Mask:
         ('or', 'or(and(document, sliding_window_1), not(padding))')
     """
 
-    __slots__ = ("_in_prefix", "children", "doc_ids", "kind", "mask_mod", "window")
+    __slots__ = (
+        "_in_prefix",
+        "_moved",
+        "_window_t",
+        "children",
+        "doc_ids",
+        "kind",
+        "mask_mod",
+        "window",
+    )
 
     def __init__(
         self,
@@ -365,6 +377,7 @@ class Mask:
         window: int | None = None,
         children: tuple[Mask, ...] = (),
         in_prefix: Tensor | None = None,
+        window_t: Tensor | None = None,
     ) -> None:
         assert kind in _KINDS, kind
         self.kind = kind
@@ -373,6 +386,9 @@ class Mask:
         self.window = window
         self.children = children
         self._in_prefix = in_prefix
+        self._window_t = window_t  # 0-d int64 twin of ``window``, read by the mask_mod
+        # .to(device) results, one per device, with the versions of the tensors they copied.
+        self._moved: dict[torch.device, tuple[tuple[int, ...], Mask]] = {}
         # Lets mask_of() find the Mask behind a BlockMask (the mask_mod travels with it).
         mask_mod._flexpack_mask = self  # type: ignore[attr-defined]
 
@@ -384,6 +400,70 @@ class Mask:
     def __repr__(self) -> str:
         shape = "" if self.doc_ids is None else f", doc_ids={tuple(self.doc_ids.shape)}"
         return f"Mask({self.name}{shape})"
+
+    def _tensors(self) -> list[Tensor]:
+        """Every tensor the mask_mod reads (doc ids, prefix flags, window limits)."""
+        if self.children:
+            return [t for c in self.children for t in c._tensors()]
+        own = (self.doc_ids, self._in_prefix, self._window_t, getattr(self, "_tree_ends", None))
+        return [t for t in own if t is not None]
+
+    def to(self, device: torch.device | str) -> Mask:
+        """This mask with every tensor its mask_mod reads on ``device``.
+
+        A mask_mod reads its doc ids (and window, prefix flags) from the tensors it closes over,
+        so moving a BlockMask with ``BlockMask.to`` leaves the mask_mod on the old device. Move
+        the Mask instead and build the BlockMask there: ``mask.to("cuda").block_mask()``.
+        Returns ``self`` when everything is already there; the moved mask is cached per device
+        (until a tensor is modified in place), so calling ``.to`` in every layer copies once.
+
+        Example:
+            >>> import torch
+            >>> m = document(torch.tensor([0, 0, 1])) & sliding_window(4)
+            >>> m.to("cpu") is m, m.to("meta").doc_ids.device.type
+            (True, 'meta')
+        """
+        dev = torch.device(device)
+        if all(_same_device(dev, t.device) for t in self._tensors()):
+            return self
+        try:  # an in-place edit of a tensor (new version) makes the cached copy stale
+            versions = tuple(t._version for t in self._tensors())
+        except RuntimeError:  # inference tensors have no version counter: do not cache
+            return self._rebuilt(lambda t: None if t is None else t.to(dev))
+        hit = self._moved.get(dev)
+        if hit is not None and hit[0] == versions:
+            return hit[1]
+        moved = self._rebuilt(lambda t: None if t is None else t.to(dev))
+        self._moved[dev] = (versions, moved)
+        return moved
+
+    def _rebuilt(self, move: Callable[[Tensor | None], Tensor | None]) -> Mask:
+        k = self.kind
+        if k in ("and", "or"):
+            return _compose(k, tuple(c._rebuilt(move) for c in self.children))
+        if k == "not":
+            return ~self.children[0]._rebuilt(move)
+        if k == "causal":
+            return self
+        if k == "sliding_window":
+            return _sliding_window(self.window, move(self._window_t))
+        if k == "tree":
+            seg, ends = move(self.doc_ids), move(self._tree_ends)  # type: ignore[attr-defined]
+            return _tree_from_tables(seg, ends)
+        if k == "prefix_lm":
+            d, flags = move(self.doc_ids), move(self._in_prefix)
+            return Mask(
+                "prefix_lm",
+                _named(_prefix_lm_mod(d, flags), "prefix_lm"),
+                doc_ids=d,
+                in_prefix=flags,
+            )
+        d = move(self.doc_ids)
+        if k == "document":
+            return document(d)
+        if k == "document_causal":
+            return _document_causal(d)
+        return padding(d)
 
     def _all_doc_ids(self) -> list[Tensor]:
         if self.children:
@@ -496,6 +576,7 @@ class Mask:
             if q_len <= 0 or kv_len <= 0:
                 raise ValueError(f"Q_LEN and KV_LEN must be positive, got {q_len}, {kv_len}.")
             dev = torch.device(device) if device is not None else torch.get_default_device()
+        src = self.to(dev)  # the mask_mod reads its window limits on the BlockMask's device
         if B is not None and (isinstance(B, bool) or not isinstance(B, int) or B < 1):
             raise ValueError(
                 f"B must be a positive int (the batch size), got {B!r}; leave B unset to use "
@@ -505,19 +586,30 @@ class Mask:
             raise ValueError(
                 f"B={B} but the mask's doc_ids have {rows} rows; leave B unset or pass B={rows}."
             )
+        if self.kind in ("document", "document_causal") and _bm.packed_layout(doc_ids):
+            # The packer's layout: index tensors written straight from per-block runs.
+            return _bm.document_block_mask(
+                doc_ids,
+                causal=self.kind == "document_causal",
+                block_size=block_size,
+                mask_mod=self.mask_mod,
+                batch=B if B is not None else rows,
+            )
         classes = self._classes(block_size, q_len, kv_len, dev)
         return _bm.build_block_mask(
             classes,
             block_size=block_size,
             q_len=q_len,
             kv_len=kv_len,
-            mask_mod=self.mask_mod,
+            mask_mod=src.mask_mod,
             batch=B if B is not None else classes.shape[0],
         )
 
 
 def _compose(op: str, masks: tuple[Mask, ...]) -> Mask:
     doc_ids = _same_layout(masks)
+    if doc_ids is not None:  # window limits follow the doc ids (one device per mask_mod)
+        masks = tuple(m.to(doc_ids.device) for m in masks)
     flat: list[Mask] = []
     for m in masks:  # a & (b & c) -> and(a, b, c)
         flat.extend(m.children if m.kind == op else (m,))
@@ -562,7 +654,10 @@ def causal() -> Mask:
 def sliding_window(window: int) -> Mask:
     """Sliding window: q attends kv iff ``q - kv <= window`` (future keys are not excluded).
 
-    Combine with :func:`causal` for flash-attn's ``window_size=(window, 0)``.
+    Combine with :func:`causal` for flash-attn's ``window_size=(window, 0)``. The mask_mod reads
+    the window from a 0-d tensor (``window`` stays the int), so compiled flex_attention reuses its
+    kernel when only the window changes; the tensor follows the doc ids of the masks it is
+    composed with, or the ``device`` of ``.block_mask``.
 
     Args:
         window: non-negative int.
@@ -576,7 +671,12 @@ def sliding_window(window: int) -> Mask:
         ('and(causal, sliding_window_256)', 256)
     """
     window = _check_window(window)
-    return Mask("sliding_window", _window_mod(window), window=window)
+    return _sliding_window(window, torch.tensor(window, dtype=torch.int64))
+
+
+def _sliding_window(window: int, limit: Tensor) -> Mask:
+    mod = _window_mod(window, limit)
+    return Mask("sliding_window", mod, window=window, window_t=limit)
 
 
 def document(doc_ids: Tensor) -> Mask:
@@ -880,7 +980,10 @@ def tree(segment_ids: Tensor, parents: Tensor) -> Mask:
         [True, True, False, False, True, False]
     """
     seg = _as_doc_ids(segment_ids, "segment_ids")
-    ends = _tree_ends(seg, parents)
+    return _tree_from_tables(seg, _tree_ends(seg, parents))
+
+
+def _tree_from_tables(seg: Tensor, ends: Tensor) -> Mask:
     mask = _TreeMask("tree", _named(_tree_mod(seg, ends), "tree"), doc_ids=seg)
     mask._segment_ids = seg
     mask._tree_ends = ends

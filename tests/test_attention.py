@@ -8,6 +8,7 @@ its output written back at its tokens; padding gets 0. Compositions without a pe
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 import pytest
@@ -442,7 +443,7 @@ def test_gpu_bench_dry_run_runs_on_cpu(capsys):
     gpu = _load_gpu_bench()
     assert gpu.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "Correctness: 7/7 checks passed" in out
+    assert re.search(r"Correctness: (\d+)/\1 checks passed", out)
     assert (
         "| 256 | flexpack auto |" in out
         and "| 256 | varlen_attn | — | — | — | — | CUDA only |" in out

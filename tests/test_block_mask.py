@@ -11,10 +11,13 @@ import random
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 from flexpack import block_mask as bmod
 from flexpack import masks
+from flexpack.testing import strategies as fst
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -235,3 +238,72 @@ def test_memory_follows_s_not_block_size(block_size: int) -> None:
     assert big.full_kv_num_blocks.tolist() == small.full_kv_num_blocks.tolist()
     pl = masks.prefix_lm_mask(d, torch.tensor([2, 1]), block_size=block_size)
     assert pl.kv_num_blocks.tolist() == [[[1]]]
+
+
+# ----------------------------------------------------------------------------- direct path
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    d=fst.doc_ids(max_batch_size=3, max_seq_len=70, block_size=8, allow_empty_rows=True),
+    bs=st.sampled_from([1, 2, 3, 8, 16, 128]),
+    causal=st.booleans(),
+)
+def test_document_block_mask_identical_to_create_block_mask(d, bs: int, causal: bool) -> None:
+    # The direct construction from per-block runs (packer layouts) against create_block_mask.
+    assert bmod.packed_layout(d)
+    m = masks.document(d) & masks.causal() if causal else masks.document(d)
+    ours = bmod.document_block_mask(d, causal=causal, block_size=bs, mask_mod=m.mask_mod)
+    _assert_identical(ours, _reference(m, bs))
+    _assert_identical(m.block_mask(block_size=bs), ours)
+
+
+def test_document_block_mask_expands_batch() -> None:
+    d = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1]])
+    m = masks.document(d) & masks.causal()
+    ours = m.block_mask(block_size=4, B=3)
+    ref = create_block_mask(m.mask_mod, 3, 1, 10, 10, device="cpu", BLOCK_SIZE=4)
+    _assert_identical(ours, ref)
+
+
+@pytest.mark.parametrize(
+    ("row", "packed"),
+    [
+        ([0, 0, 1, 1, -1, -1], True),
+        ([-1, -1, -1], True),
+        ([0, 1, 1, 3, 3], True),  # gaps in the ids are fine: only the order matters
+        ([0, -1, 0], False),  # padding inside a document: not the packer's layout
+        ([1, 1, 0], False),
+    ],
+)
+def test_packed_layout_gates_the_direct_path(row: list[int], packed: bool) -> None:
+    d = torch.tensor([row])
+    assert bmod.packed_layout(d) is packed
+    m = masks.document(d)
+    _assert_identical(m.block_mask(block_size=2), _reference(m, 2))
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        [-(2**31), 2**31 - 1],  # padding then the largest int32 id: not a packer layout
+        [0, 2**31 - 1, 2**31 - 1, -(2**31)],
+    ],
+)
+def test_document_block_mask_with_extreme_ids(row: list[int]) -> None:
+    for dtype in (torch.int32, torch.int64):
+        d = torch.tensor([row], dtype=dtype)
+        for m in (masks.document(d), masks.document(d) & masks.causal()):
+            _assert_identical(m.block_mask(block_size=2), _reference(m, 2))
+    big = torch.tensor([[0, 2**62, 2**63 - 1, -1]])  # 2 * id would overflow int64
+    for m in (masks.document(big), masks.document(big) & masks.causal()):
+        _assert_identical(m.block_mask(block_size=1), _reference(m, 1))
+
+
+def test_document_block_mask_written_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small outputs are written in pieces below torch's grain size; force many pieces.
+    monkeypatch.setattr(bmod, "_SERIAL_ELEMENTS", 8)
+    rng = random.Random(3)
+    d = _layout(3, 37, rng)
+    for m in (masks.document(d), masks.document(d) & masks.causal()):
+        _assert_identical(m.block_mask(block_size=4), _reference(m, 4))

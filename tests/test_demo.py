@@ -35,9 +35,9 @@ def test_demo_fails_when_documents_leak(tmp_path, capsys, monkeypatch):
     """A model whose mask lets documents see each other must make the demo exit non-zero."""
     import flexpack.models.gpt as gpt
 
-    build = gpt.document_causal_mask
+    build = gpt.document
     # One document per row: plain causal attention over the packed row.
-    monkeypatch.setattr(gpt, "document_causal_mask", lambda d: build(torch.zeros_like(d)))
+    monkeypatch.setattr(gpt, "document", lambda d: build(torch.zeros_like(d)))
     assert demo.main(out=str(tmp_path), **SMALL) == 1
     assert "MISMATCH" in capsys.readouterr().out
 

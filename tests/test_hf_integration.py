@@ -213,3 +213,20 @@ def test_docs_integrations_blocks_run():
     assert len(blocks) == 2
     for i, block in enumerate(blocks):
         exec(compile(block, f"docs/integrations.md python block {i}", "exec"), {})
+
+
+def test_mask_cache_keeps_one_mask_per_causal_and_window(monkeypatch):
+    """Alternating sliding and full layers (Gemma, Mistral-style) build each mask once."""
+    from flexpack.integrations import transformers as hf
+
+    built = []
+    real = hf._build_mask
+    monkeypatch.setattr(hf, "_build_mask", lambda *a: built.append(a[1:]) or real(*a))
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0]])
+    layers = [(True, None), (True, 4), (True, None), (True, 4), (False, None)]
+    got = [hf._mask_for(pos.device, 1, 8, None, None, None, pos, c, w) for c, w in layers * 2]
+    assert built == [(True, None), (True, 4), (False, None)]
+    assert got[0] is got[2] is got[5] and got[1] is got[3] and got[0] is not got[1]
+    pos.add_(0)  # an in-place edit (new version) invalidates the cache
+    hf._mask_for(pos.device, 1, 8, None, None, None, pos, True, None)
+    assert len(built) == 4

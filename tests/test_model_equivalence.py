@@ -157,16 +157,55 @@ def test_without_document_mask_the_comparison_fails():
 
 def test_mask_is_built_once_per_batch(monkeypatch):
     import flexpack.models.gpt as gpt
+    from flexpack import masks
 
-    calls = []
-    build = gpt.document_causal_mask
-    monkeypatch.setattr(gpt, "document_causal_mask", lambda d: calls.append(d) or build(d))
+    calls, block_masks = [], []
+    build = gpt.document
+    monkeypatch.setattr(gpt, "document", lambda d: calls.append(d) or build(d))
+    real_block_mask = masks.Mask.block_mask
+    monkeypatch.setattr(
+        masks.Mask, "block_mask", lambda m, **kw: block_masks.append(m) or real_block_mask(m, **kw)
+    )
     batch, _ = pack(random_samples(5))
     model = make_model(5)
     out = model(batch.input_ids, doc_ids=batch.doc_ids)  # positions derived from doc_ids
-    prebuilt = model(batch.input_ids, position_ids=batch.position_ids, mask=build(batch.doc_ids))
     assert len(calls) == 1 and CFG.n_layer > 1
-    torch.testing.assert_close(out, prebuilt, atol=ATOL, rtol=0)
+    assert block_masks == []  # the per-document SDPA path needs no BlockMask: none is built
+    prebuilt = flexpack.document_causal_mask(batch.doc_ids)
+    out_prebuilt = model(batch.input_ids, position_ids=batch.position_ids, mask=prebuilt)
+    torch.testing.assert_close(out, out_prebuilt, atol=ATOL, rtol=0)
+
+
+def test_flex_path_builds_one_block_mask_per_forward(monkeypatch):
+    from torch._dynamo.testing import CompileCounter
+
+    from flexpack import _attention_flex, masks
+
+    monkeypatch.setattr(_attention_flex, "_BACKEND", CompileCounter())  # no inductor: fast
+    _attention_flex.compiled_flex_attention.cache_clear()
+    built = []
+    real_block_mask = masks.Mask.block_mask
+    monkeypatch.setattr(
+        masks.Mask, "block_mask", lambda m, **kw: built.append(m) or real_block_mask(m, **kw)
+    )
+    batch, _ = pack(random_samples(6))
+    model = make_model(6, replace(CFG, attn_backend="flex"))
+    with torch.no_grad():
+        out = model(batch.input_ids, doc_ids=batch.doc_ids)
+        assert len(built) == 1 and CFG.n_layer > 1
+        want = make_model(6)(batch.input_ids, doc_ids=batch.doc_ids)
+    _attention_flex.compiled_flex_attention.cache_clear()
+    torch.testing.assert_close(out, want, atol=1e-4, rtol=0)
+
+
+def test_layout_gives_the_same_logits_as_doc_ids():
+    batch, _ = pack(random_samples(7))
+    model = make_model(7)
+    by_ids = model(batch.input_ids, doc_ids=batch.doc_ids)
+    by_layout = model(batch.input_ids, layout=batch.layout)
+    torch.testing.assert_close(by_layout, by_ids, atol=ATOL, rtol=0)
+    with pytest.raises(TypeError, match="PackedLayout"):
+        model(batch.input_ids, layout=batch.doc_ids)
 
 
 def test_bad_inputs_get_clear_errors():
@@ -180,3 +219,10 @@ def test_bad_inputs_get_clear_errors():
         model(ids, doc_ids=torch.zeros(2, 7, dtype=torch.int32))
     with pytest.raises(ValueError, match="n_kv_head"):
         GPTConfig(n_head=4, n_kv_head=3)
+
+
+def test_default_positions_match_the_layout():
+    batch, _ = pack(random_samples(8))
+    from flexpack.models.gpt import _positions_in_runs
+
+    assert torch.equal(_positions_in_runs(batch.doc_ids), batch.position_ids)

@@ -33,9 +33,11 @@ NAME = "flexpack"
 
 __all__ = ["NAME", "flexpack_attention_forward", "packed_forward_kwargs", "register"]
 
-# One-entry cache: every layer of a forward receives the same doc_ids/position_ids tensors, so the
-# mask is built for the first layer and reused by the others (and by the next forward on the same
+# Every layer of a forward receives the same doc_ids/position_ids tensors, so the document ids are
+# derived for the first layer and reused by the others (and by the next forward on the same
 # tensors). Holding the tensors keeps their ids from being reused; `_version` sees in-place edits.
+# Masks are kept per (is_causal, window) for those ids: models that alternate sliding and full
+# layers (Gemma, Mistral-style configs) then build each mask once, not once per layer.
 _cache: dict[str, Any] = {}
 
 
@@ -230,19 +232,22 @@ def _mask_for(
     is_causal: bool,
     sliding_window: int | None,
 ):
-    """The flexpack mask of this forward, built once and reused by every layer."""
+    """The flexpack mask of this forward, built once per (is_causal, window) for all layers."""
     sources = (padding, doc_ids, seq_idx, position_ids)
     # The cache holds the source tensors themselves: identity plus their in-place version
     # counters say whether this forward's inputs are the cached ones.
-    key = (tuple(_version(t) for t in sources), device, B, S, is_causal, sliding_window)
-    if _cache.get("key") == key and all(
+    key = (tuple(_version(t) for t in sources), device, B, S)
+    if _cache.get("key") != key or not all(
         a is b for a, b in zip(_cache["sources"], sources, strict=True)
     ):
-        return _cache["mask"]
-    ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
-    mask = _build_mask(ids, is_causal, sliding_window)
-    _cache.update(key=key, sources=sources, mask=mask)
-    return mask
+        ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
+        _cache.clear()
+        _cache.update(key=key, sources=sources, ids=ids, masks={})
+    masks = _cache["masks"]
+    mask_key = (is_causal, sliding_window)
+    if mask_key not in masks:
+        masks[mask_key] = _build_mask(_cache["ids"], is_causal, sliding_window)
+    return masks[mask_key]
 
 
 def _version(t: Tensor | None) -> int:
@@ -285,18 +290,17 @@ def _doc_ids(
 
 
 def _build_mask(doc_ids: Tensor, is_causal: bool, sliding_window: int | None):
-    import flexpack
-
-    if sliding_window is None:
-        build = flexpack.document_causal_mask if is_causal else flexpack.document_mask
-        return build(doc_ids)
+    """The flexpack Mask (a description: ``flexpack.attention`` builds a BlockMask only on the
+    flex path, once per forward, and never for varlen or per-document SDPA)."""
     from flexpack import masks
 
+    mask = masks.document(doc_ids)
+    if sliding_window is None:
+        return mask & masks.causal() if is_causal else mask
     if not is_causal:
         raise ValueError(
             f"flexpack attention got a sliding window ({sliding_window}) on a non-causal layer; "
             "only causal sliding windows (Mistral-style) are supported."
         )
     # transformers' sliding window keeps kv_idx > q_idx - sliding_window, i.e. q - kv <= window - 1
-    mask = masks.document(doc_ids) & masks.causal() & masks.sliding_window(int(sliding_window) - 1)
-    return mask.block_mask()
+    return mask & masks.causal() & masks.sliding_window(int(sliding_window) - 1)

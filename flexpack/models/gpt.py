@@ -2,10 +2,14 @@
 
 Token embedding, pre-norm blocks (RMSNorm, grouped-query attention with rotary embeddings computed
 from ``position_ids``, a GELU MLP), a final RMSNorm and a tied (or untied) head. On packed rows the
-forward builds ``flexpack.document_causal_mask(doc_ids)`` once per batch and every layer calls
-``flexpack.attention`` with it, so no token attends across a document boundary; without ``doc_ids``
-it is a plain causal model (``scaled_dot_product_attention(is_causal=True)``), the reference that
-each document run alone is compared against.
+forward builds the mask ``document(doc_ids) & causal()`` once per batch and every layer calls
+``flexpack.attention`` with it, so no token attends across a document boundary. The mask is a
+description, not a BlockMask: the varlen and per-document SDPA paths never need one, and the flex
+path builds it on the first layer and reuses it. Given a ``PackedLayout`` (``layout=batch.layout``)
+the varlen path takes the packer's host-side ``cu_seqlens`` / ``indices`` / ``max_seqlen``: no
+host sync at all. Without ``doc_ids`` it is a plain causal model
+(``scaled_dot_product_attention(is_causal=True)``), the reference that each document run alone is
+compared against.
 
 Shapes: B batch rows, S tokens per row, V vocabulary, C = n_embd, Hq query heads, Hkv key/value
 heads, D = C // Hq head dim.
@@ -19,9 +23,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from flexpack import _attention_flex
 from flexpack.attention import attention
 from flexpack.layout import PackedLayout
-from flexpack.masks import document_causal_mask
+from flexpack.masks import causal, document
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -191,6 +196,7 @@ class GPT(nn.Module):
         position_ids: Tensor | None = None,
         doc_ids: Tensor | None = None,
         mask: object | None = None,
+        layout: PackedLayout | None = None,
     ) -> Tensor:
         """Logits for every token.
 
@@ -228,6 +234,14 @@ class GPT(nn.Module):
                 "add a batch dimension with input_ids[None]."
             )
         B, S = input_ids.shape
+        if layout is not None:
+            if not isinstance(layout, PackedLayout):
+                raise TypeError(f"layout must be a PackedLayout, got {type(layout).__name__}.")
+            if doc_ids is not None and doc_ids is not layout.doc_ids:
+                raise ValueError("pass doc_ids or layout, not both; layout carries the doc ids.")
+            doc_ids = layout.doc_ids
+            if position_ids is None and "position_ids" in layout.__dict__:
+                position_ids = layout.position_ids
         if doc_ids is not None:
             _check_int("doc_ids", doc_ids)
             if tuple(doc_ids.shape) != (B, S):
@@ -235,11 +249,13 @@ class GPT(nn.Module):
                     f"doc_ids must have the shape of input_ids {(B, S)}, "
                     f"got {tuple(doc_ids.shape)}."
                 )
-            if mask is None:
-                mask = document_causal_mask(doc_ids)  # once per batch, shared by every layer
+            if mask is None:  # once per batch, shared by every layer
+                mask = document(doc_ids) & causal()
+                if layout is not None:  # the varlen plan from the layout's host-side views
+                    _attention_flex.use_layout(layout, mask.doc_ids)
         if position_ids is None:
             if doc_ids is not None:
-                position_ids = PackedLayout.from_doc_ids(doc_ids).position_ids  # restart per doc
+                position_ids = _positions_in_runs(doc_ids)  # restart per doc, no host sync
             else:
                 position_ids = torch.arange(S, device=input_ids.device)[None]
         _check_int("position_ids", position_ids)
@@ -258,6 +274,20 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, mask)  # (B, S, C)
         return self.head(self.norm(x))  # (B, S, V)
+
+
+def _positions_in_runs(doc_ids: Tensor) -> Tensor:
+    """(B, S) int64: position of each token in its run of equal ids, 0 on padding.
+
+    ``PackedLayout.position_ids`` for packer layouts, without its validation's host syncs (a
+    forward on CUDA stays sync-free).
+    """
+    real = doc_ids >= 0
+    start = real.clone()
+    start[:, 1:] &= doc_ids[:, 1:] != doc_ids[:, :-1]
+    col = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(start)
+    run_start = torch.where(start, col, 0).cummax(dim=1).values
+    return torch.where(real, col - run_start, 0)
 
 
 def _check_int(name: str, t: object) -> None:
