@@ -223,6 +223,16 @@ def test_bad_inputs_get_clear_errors():
 
 def test_default_positions_match_the_layout():
     batch, _ = pack(random_samples(8))
-    from flexpack.models.gpt import _positions_in_runs
+    from flexpack.models.gpt import _positions_in_documents
 
-    assert torch.equal(_positions_in_runs(batch.doc_ids), batch.position_ids)
+    assert torch.equal(_positions_in_documents(batch.doc_ids), batch.position_ids)
+
+
+def test_default_positions_follow_the_masks_documents():
+    """A repeated id is one document to the masks (its runs see each other), so its positions
+    continue across runs instead of restarting: the model agrees with its mask (issue 11)."""
+    from flexpack.models.gpt import _positions_in_documents
+
+    doc_ids = torch.tensor([[0, 0, 1, 1, 0, 0, -1], [5, 3, 3, 5, 5, 5, 3]])
+    want = [[0, 1, 0, 1, 2, 3, 0], [0, 0, 1, 1, 2, 3, 2]]
+    assert _positions_in_documents(doc_ids).tolist() == want

@@ -255,7 +255,7 @@ class GPT(nn.Module):
                     _attention_flex.use_layout(layout, mask.doc_ids)
         if position_ids is None:
             if doc_ids is not None:
-                position_ids = _positions_in_runs(doc_ids)  # restart per doc, no host sync
+                position_ids = _positions_in_documents(doc_ids)  # restart per doc, no host sync
             else:
                 position_ids = torch.arange(S, device=input_ids.device)[None]
         _check_int("position_ids", position_ids)
@@ -276,18 +276,23 @@ class GPT(nn.Module):
         return self.head(self.norm(x))  # (B, S, V)
 
 
-def _positions_in_runs(doc_ids: Tensor) -> Tensor:
-    """(B, S) int64: position of each token in its run of equal ids, 0 on padding.
+def _positions_in_documents(doc_ids: Tensor) -> Tensor:
+    """(B, S) int64: position of each token among the earlier tokens of its document, 0 on padding.
 
-    ``PackedLayout.position_ids`` for packer layouts, without its validation's host syncs (a
-    forward on CUDA stays sync-free).
+    A document is what the masks say it is: every token of a row sharing one id (so a repeated id,
+    ``[0, 0, 1, 1, 0]``, continues its positions where the mask lets its runs see each other).
+    For packer layouts this is ``PackedLayout.position_ids``, without its validation's host syncs
+    (a forward on CUDA stays sync-free).
     """
-    real = doc_ids >= 0
-    start = real.clone()
-    start[:, 1:] &= doc_ids[:, 1:] != doc_ids[:, :-1]
-    col = torch.arange(doc_ids.shape[1], device=doc_ids.device).expand_as(start)
-    run_start = torch.where(start, col, 0).cummax(dim=1).values
-    return torch.where(real, col - run_start, 0)
+    ids = doc_ids.long()
+    B, S = ids.shape
+    sorted_ids, order = torch.sort(ids, dim=1, stable=True)  # by (id, position) within a row
+    col = torch.arange(S, device=ids.device).expand(B, S)
+    start = torch.ones_like(sorted_ids, dtype=torch.bool)
+    start[:, 1:] = sorted_ids[:, 1:] != sorted_ids[:, :-1]
+    first = torch.where(start, col, 0).cummax(dim=1).values  # where each id's group begins
+    positions = torch.empty_like(ids).scatter_(1, order, col - first)
+    return torch.where(ids >= 0, positions, 0)
 
 
 def _check_int(name: str, t: object) -> None:
