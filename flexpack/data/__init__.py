@@ -3,7 +3,9 @@
 - ``PackedDataset``: map-style; plans once from the lengths, builds rows lazily.
 - ``DistributedPackedSampler`` / ``PackedDataset.shard`` / ``shard_rows``: equal row counts per
   rank, every row once per epoch (remainder chosen by the user), tokens balanced per step.
-- ``PackedIterableDataset``: streaming with a bounded buffer and exact mid-epoch resume.
+- ``PackedIterableDataset``: streaming with a bounded buffer and exact mid-epoch resume;
+  ``sync_ranks=True`` gives every rank the same row count; ``ds.stats`` (``StreamStats``) counts
+  the padding rows that equalize ranks and the tokens ``overflow="truncate"`` cut.
 - ``collate``: rows -> ``PackedBatch`` (DataLoader ``collate_fn``); pads unpadded rows
   (``input_ids`` + ``seqlens``, as ``pack_dataset`` stores them) to ``max_len`` and rebuilds their
   layout; ``collate_with_mask`` also builds the BlockMask in the worker (``MaskedBatch``).
@@ -14,13 +16,14 @@ Hugging Face datasets and Ray live in ``flexpack.integrations.datasets`` / ``.ra
 
 from flexpack.data.collate import MaskedBatch, collate, collate_with_mask
 from flexpack.data.dataset import DistributedPackedSampler, PackedDataset, shard_rows
-from flexpack.data.streaming import PackedIterableDataset
+from flexpack.data.streaming import PackedIterableDataset, StreamStats
 
 __all__ = [
     "DistributedPackedSampler",
     "MaskedBatch",
     "PackedDataset",
     "PackedIterableDataset",
+    "StreamStats",
     "collate",
     "collate_with_mask",
     "shard_rows",
