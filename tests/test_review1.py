@@ -1,8 +1,10 @@
 """Red-team review: regressions for bugs found in the data pipeline and layout (review1)."""
 
+import pytest
 import torch
 
 from flexpack import PackedLayout
+from flexpack.data import PackedIterableDataset
 
 
 def test_from_cu_seqlens_empty_document_keeps_ids_dense():
@@ -17,3 +19,36 @@ def test_from_cu_seqlens_empty_document_keeps_ids_dense():
     assert two_rows.doc_ids.tolist() == [[0, 0, -1], [0, 1, -1]]
     assert two_rows == PackedLayout.from_seqlens([[2], [1, 1]], 3)
     assert two_rows.doc_ids.dtype == torch.int32
+
+
+def _rows(batches):
+    return sorted(
+        (tuple(b.input_ids[0].tolist()), tuple(b.labels[0].tolist()), tuple(b.doc_ids[0].tolist()))
+        for b in batches
+    )
+
+
+@pytest.mark.parametrize("sync_ranks", [False, True])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_hf_iterable_dataset_with_dataloader_workers_keeps_every_token(sync_ranks, shards):
+    # A datasets.IterableDataset iterated inside a DataLoader worker yields only that worker's
+    # shards; flexpack then split the stream again, so about half the tokens were silently lost
+    # with num_workers=2 (and, with sync_ranks, workers planned different rows).
+    datasets = pytest.importorskip("datasets")
+    ids = [[i + 1] * (i % 3 + 1) for i in range(40)]
+    labels = [[-100, *x[1:]] for x in ids]
+    source = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    stream = source.to_iterable_dataset(num_shards=shards)
+    kw = dict(buffer_size=4, sync_ranks=sync_ranks)
+    if sync_ranks:  # the rows of one process, dealt to the workers
+        expected = _rows(PackedIterableDataset(stream, 8, world_size=1, rank=0, **kw))
+    else:  # worker w reads stream items w, w + 2, ...: as rank w of 2 with one worker
+        expected = _rows(
+            b for r in (0, 1) for b in PackedIterableDataset(stream, 8, world_size=2, rank=r, **kw)
+        )
+    loader = torch.utils.data.DataLoader(
+        PackedIterableDataset(stream, 8, world_size=1, rank=0, **kw), batch_size=None, num_workers=2
+    )
+    got = _rows(loader)
+    assert sum(sum(d >= 0 for d in r[2]) for r in got) == sum(map(len, ids))
+    assert got == expected

@@ -13,6 +13,7 @@ import bisect
 import dataclasses
 import itertools
 import numbers
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ _REQUIRED = {  # state key -> what it must be
     "rows_emitted": "an int >= 0",
 }
 _COUNTS = ("rows_yielded", "padding_rows", "truncated", "truncated_samples")  # optional, >= 0
+_HF_ITER_BATCH = 256  # rows per batch when reading a datasets.IterableDataset in a worker
 _ARROW_CHUNK = 8192  # HF lengths are read this many rows at a time: bounded memory
 
 
@@ -216,7 +218,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                     return
                 yield k, it[i]
         else:
-            stream = itertools.islice(iter(it), g + start * n, None, n)
+            stream = itertools.islice(_whole_stream(it), g + start * n, None, n)
             yield from zip(itertools.count(start), stream, strict=False)
 
     def _tokens(self, k: int, sample: Any, g: int, n: int) -> tuple[Any, Any]:
@@ -486,6 +488,29 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                 cursor.counts["rows_yielded"] += 1
                 cursor.counts["padding_rows"] += 1
                 yield _from_pieces([[]], m, pad_id=self.pad_id)
+
+
+def _whole_stream(it: Iterable[Any]) -> Iterator[Any]:
+    """Every item of ``it``, in every DataLoader worker.
+
+    A ``datasets.IterableDataset`` iterated inside a worker yields only the shards HF assigns to
+    that worker; flexpack splits the stream itself (or, with ``sync_ranks``, needs all of it in
+    every worker), so that would silently drop items. Its ``.iter(batch_size)`` reads the whole
+    stream in the same order without the worker split.
+    """
+    hf = sys.modules.get("datasets")
+    iterable_cls = getattr(hf, "IterableDataset", None) if hf is not None else None
+    if (
+        iterable_cls is None
+        or not isinstance(it, iterable_cls)
+        or torch.utils.data.get_worker_info() is None
+    ):
+        yield from it
+        return
+    for batch in it.iter(batch_size=_HF_ITER_BATCH):
+        keys = list(batch)
+        for j in range(len(batch[keys[0]]) if keys else 0):
+            yield {k: batch[k][j] for k in keys}
 
 
 def _check_labels(labels: np.ndarray, ids: np.ndarray, where: str) -> np.ndarray:
