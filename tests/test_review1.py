@@ -52,3 +52,20 @@ def test_hf_iterable_dataset_with_dataloader_workers_keeps_every_token(sync_rank
     got = _rows(loader)
     assert sum(sum(d >= 0 for d in r[2]) for r in got) == sum(map(len, ids))
     assert got == expected
+
+
+def test_packed_dataset_refuses_padded_packed_rows_with_a_clear_error():
+    # pack_dataset(padded=True) rows given to PackedDataset failed with "tokenize it first"
+    # (their fixed-size lists), which sends the user the wrong way.
+    datasets = pytest.importorskip("datasets")
+    from flexpack.data import PackedDataset, collate
+    from flexpack.integrations.datasets import pack_dataset
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]})
+    padded = pack_dataset(ds, 4, padded=True)
+    with pytest.raises(ValueError, match="padded=False"):
+        PackedDataset(padded, 4)
+    assert (
+        collate(list(padded)).doc_ids.tolist()
+        == collate(list(pack_dataset(ds, 4)), max_len=4).doc_ids.tolist()
+    )
