@@ -132,3 +132,17 @@ def test_every_pack_dataset_path_agrees_with_the_samples(case, view):
     got = sorted((t, lab) for t, lab, pos in _docs_of(ref) if pos == list(range(len(t))))
     want = sorted((x, [-100, *lab[1:]]) for x, lab in zip(ids, labels, strict=True))
     assert got == want
+
+
+def test_sync_ranks_hf_dataset_with_a_null_labels_row_matches_the_unsynced_stream():
+    # A sample whose labels are None is labelled by its tokens when streaming; with
+    # sync_ranks=True (the HF dataset read through Arrow) the null row became a garbage length
+    # cast and a "3 input_ids but 0 labels" error.
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[1, 2, 3], [4, 5], [6, 7]], "labels": [None, [-100, 5], None]}
+    )
+    plain = _rows(PackedIterableDataset(ds, 8, buffer_size=4))
+    synced = _rows(PackedIterableDataset(ds, 8, buffer_size=4, sync_ranks=True, world_size=1))
+    assert synced == plain
+    assert plain[0][1] == (-100, 2, 3, -100, 5, -100, 7, -100)

@@ -425,7 +425,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             labs = {}
             if lazy_labels is not None:
                 for k, lab in zip(ks, _take_lists(lazy_labels, ks), strict=True):
-                    labs[k] = _check_labels(lab, toks[k], f"stream item {k}")
+                    if lab is not None:  # a null labels row: labelled by its tokens
+                        labs[k] = _check_labels(lab, toks[k], f"stream item {k}")
             return toks, labs
 
         def build(row: list[tuple[int, int, int]]) -> Any:
@@ -538,8 +539,9 @@ def _hf_lengths(source: HFSource, start: int) -> Iterator[tuple[int, int]]:
         yield from zip(range(a, a + len(lengths)), lengths.tolist(), strict=True)
 
 
-def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
-    """The token lists of rows ``ks`` (sorted) as int64 arrays.
+def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray | None]:
+    """The token lists of rows ``ks`` (sorted) as int64 arrays; None for a null row (a sample
+    without labels, in a labels column).
 
     ``pc.list_flatten`` reads only the taken rows' values: a take of one row is a slice whose
     ``.values`` is the whole column's buffer, which a conversion of ``.values`` would copy.
@@ -548,8 +550,10 @@ def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
 
     col = source.ds[ks].column(source.column)
     flat = pc.list_flatten(col)
+    counts = pc.list_value_length(col)
+    null_row = np.asarray(counts.is_null()) if col.null_count else None
+    lengths = np.asarray(pc.fill_null(counts, 0), dtype=np.int64)
     if flat.null_count:
-        lengths = np.asarray(pc.list_value_length(col), dtype=np.int64)
         nulls = np.flatnonzero(np.asarray(flat.is_null()))
         first = ks[int(np.searchsorted(np.cumsum(lengths), nulls[0], side="right"))]
         raise ValueError(
@@ -557,8 +561,10 @@ def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
             "all be set: drop or fix that row first."
         )
     values = flat.to_numpy().astype(np.int64, copy=False)
-    ends = np.cumsum(np.asarray(pc.list_value_length(col), dtype=np.int64))
-    return np.split(values, ends[:-1])
+    out = np.split(values, np.cumsum(lengths)[:-1])
+    if null_row is None:
+        return out
+    return [None if null else x for x, null in zip(out, null_row.tolist(), strict=True)]
 
 
 def _check_state(state: Any) -> dict[str, Any]:
