@@ -146,3 +146,17 @@ def test_sync_ranks_hf_dataset_with_a_null_labels_row_matches_the_unsynced_strea
     synced = _rows(PackedIterableDataset(ds, 8, buffer_size=4, sync_ranks=True, world_size=1))
     assert synced == plain
     assert plain[0][1] == (-100, 2, 3, -100, 5, -100, 7, -100)
+
+
+def test_stream_already_split_by_node_is_refused_when_flexpack_splits_again():
+    # split_dataset_by_node (HF's DDP recipe) + PackedIterableDataset's own rank split kept
+    # 1/world of each rank's share: half the data silently lost at world_size=2.
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    source = datasets.Dataset.from_dict({"input_ids": [[i + 1] * 2 for i in range(10)]})
+    part = split_dataset_by_node(source.to_iterable_dataset(num_shards=2), rank=1, world_size=2)
+    with pytest.raises(ValueError, match="split_dataset_by_node"):
+        PackedIterableDataset(part, 4, rank=1, world_size=2)
+    rows = list(PackedIterableDataset(part, 4, rank=0, world_size=1))  # this rank's split as is
+    assert sum(int((r.doc_ids >= 0).sum()) for r in rows) == 10

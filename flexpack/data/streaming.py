@@ -198,6 +198,16 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         self.labels_column = labels_column
         self.pad_id = int(pad_id)
         self.rank, self.world_size = _dist_default(rank, world_size)
+        node = getattr(iterable, "_distributed", None)  # datasets' split_dataset_by_node marker
+        if self.world_size > 1 and node is not None and _is_hf_dataset(iterable):
+            raise ValueError(
+                f"iterable is already split by datasets' split_dataset_by_node (rank "
+                f"{getattr(node, 'rank', '?')} of {getattr(node, 'world_size', '?')}), and "
+                f"PackedIterableDataset splits the stream among world_size={self.world_size} "
+                "ranks itself: each rank would read a fraction of its share and the rest would "
+                "be lost. Pass the whole dataset (flexpack splits it), or world_size=1, rank=0 "
+                "to pack this rank's split as it is."
+            )
         self.sync_ranks = sync_ranks
         self._resume: dict[str, Any] | None = None
         self._cursor: _Cursor | None = None
