@@ -499,9 +499,12 @@ class PackedLayout:
                 raise ValueError(
                     f"indices must be strictly increasing positions in [0, {num_rows * max_len})"
                 )
-        doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
-        row = idx // max(max_len, 1)
         nonempty = lengths > 0
+        # number the non-empty documents only: an empty one (a repeated cu_seqlens value, as
+        # fixed-size padded cu_seqlens have) must not leave a gap in a row's ids 0..n-1
+        doc_num = torch.cumsum(nonempty, 0) - 1
+        doc = torch.repeat_interleave(doc_num, lengths)
+        row = idx // max(max_len, 1)
         if bool(nonempty.any()):
             first = cu[:-1][nonempty]
             last = cu[1:][nonempty] - 1

@@ -172,6 +172,15 @@ class PackedDataset(torch.utils.data.Dataset):
             self.lengths = self._row_tokens = self._stored.num_tokens
             self._rows = np.arange(len(self.lengths), dtype=np.int64)
             return
+        names = getattr(samples, "column_names", None) or ()
+        if "doc_ids" in names and "input_ids" in names and column in (None, "input_ids"):
+            raise ValueError(
+                f"samples has columns {list(names)}: rows packed already and padded "
+                "(pack_dataset(..., padded=True)); packing them again would merge each row's "
+                "documents into one. Batch them as they are with flexpack.data.collate "
+                "(DataLoader(rows, collate_fn=collate)), or pack with padded=False (unpadded "
+                "rows, which PackedDataset serves)."
+            )
         self._source = as_source(samples, column, labels_column)
         self.lengths = self._source.lengths()
         self.plan = pack(

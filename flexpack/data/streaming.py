@@ -13,6 +13,7 @@ import bisect
 import dataclasses
 import itertools
 import numbers
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -44,6 +45,7 @@ _REQUIRED = {  # state key -> what it must be
     "rows_emitted": "an int >= 0",
 }
 _COUNTS = ("rows_yielded", "padding_rows", "truncated", "truncated_samples")  # optional, >= 0
+_HF_ITER_BATCH = 256  # rows per batch when reading a datasets.IterableDataset in a worker
 _ARROW_CHUNK = 8192  # HF lengths are read this many rows at a time: bounded memory
 
 
@@ -196,6 +198,16 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
         self.labels_column = labels_column
         self.pad_id = int(pad_id)
         self.rank, self.world_size = _dist_default(rank, world_size)
+        node = getattr(iterable, "_distributed", None)  # datasets' split_dataset_by_node marker
+        if self.world_size > 1 and node is not None and _is_hf_dataset(iterable):
+            raise ValueError(
+                f"iterable is already split by datasets' split_dataset_by_node (rank "
+                f"{getattr(node, 'rank', '?')} of {getattr(node, 'world_size', '?')}), and "
+                f"PackedIterableDataset splits the stream among world_size={self.world_size} "
+                "ranks itself: each rank would read a fraction of its share and the rest would "
+                "be lost. Pass the whole dataset (flexpack splits it), or world_size=1, rank=0 "
+                "to pack this rank's split as it is."
+            )
         self.sync_ranks = sync_ranks
         self._resume: dict[str, Any] | None = None
         self._cursor: _Cursor | None = None
@@ -216,7 +228,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                     return
                 yield k, it[i]
         else:
-            stream = itertools.islice(iter(it), g + start * n, None, n)
+            stream = itertools.islice(_whole_stream(it), g + start * n, None, n)
             yield from zip(itertools.count(start), stream, strict=False)
 
     def _tokens(self, k: int, sample: Any, g: int, n: int) -> tuple[Any, Any]:
@@ -423,7 +435,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             labs = {}
             if lazy_labels is not None:
                 for k, lab in zip(ks, _take_lists(lazy_labels, ks), strict=True):
-                    labs[k] = _check_labels(lab, toks[k], f"stream item {k}")
+                    if lab is not None:  # a null labels row: labelled by its tokens
+                        labs[k] = _check_labels(lab, toks[k], f"stream item {k}")
             return toks, labs
 
         def build(row: list[tuple[int, int, int]]) -> Any:
@@ -488,6 +501,29 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
                 yield _from_pieces([[]], m, pad_id=self.pad_id)
 
 
+def _whole_stream(it: Iterable[Any]) -> Iterator[Any]:
+    """Every item of ``it``, in every DataLoader worker.
+
+    A ``datasets.IterableDataset`` iterated inside a worker yields only the shards HF assigns to
+    that worker; flexpack splits the stream itself (or, with ``sync_ranks``, needs all of it in
+    every worker), so that would silently drop items. Its ``.iter(batch_size)`` reads the whole
+    stream in the same order without the worker split.
+    """
+    hf = sys.modules.get("datasets")
+    iterable_cls = getattr(hf, "IterableDataset", None) if hf is not None else None
+    if (
+        iterable_cls is None
+        or not isinstance(it, iterable_cls)
+        or torch.utils.data.get_worker_info() is None
+    ):
+        yield from it
+        return
+    for batch in it.iter(batch_size=_HF_ITER_BATCH):
+        keys = list(batch)
+        for j in range(len(batch[keys[0]]) if keys else 0):
+            yield {k: batch[k][j] for k in keys}
+
+
 def _check_labels(labels: np.ndarray, ids: np.ndarray, where: str) -> np.ndarray:
     if len(labels) != len(ids):
         raise ValueError(
@@ -513,8 +549,9 @@ def _hf_lengths(source: HFSource, start: int) -> Iterator[tuple[int, int]]:
         yield from zip(range(a, a + len(lengths)), lengths.tolist(), strict=True)
 
 
-def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
-    """The token lists of rows ``ks`` (sorted) as int64 arrays.
+def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray | None]:
+    """The token lists of rows ``ks`` (sorted) as int64 arrays; None for a null row (a sample
+    without labels, in a labels column).
 
     ``pc.list_flatten`` reads only the taken rows' values: a take of one row is a slice whose
     ``.values`` is the whole column's buffer, which a conversion of ``.values`` would copy.
@@ -523,8 +560,10 @@ def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
 
     col = source.ds[ks].column(source.column)
     flat = pc.list_flatten(col)
+    counts = pc.list_value_length(col)
+    null_row = np.asarray(counts.is_null()) if col.null_count else None
+    lengths = np.asarray(pc.fill_null(counts, 0), dtype=np.int64)
     if flat.null_count:
-        lengths = np.asarray(pc.list_value_length(col), dtype=np.int64)
         nulls = np.flatnonzero(np.asarray(flat.is_null()))
         first = ks[int(np.searchsorted(np.cumsum(lengths), nulls[0], side="right"))]
         raise ValueError(
@@ -532,8 +571,10 @@ def _take_lists(source: HFSource, ks: list[int]) -> list[np.ndarray]:
             "all be set: drop or fix that row first."
         )
     values = flat.to_numpy().astype(np.int64, copy=False)
-    ends = np.cumsum(np.asarray(pc.list_value_length(col), dtype=np.int64))
-    return np.split(values, ends[:-1])
+    out = np.split(values, np.cumsum(lengths)[:-1])
+    if null_row is None:
+        return out
+    return [None if null else x for x, null in zip(out, null_row.tolist(), strict=True)]
 
 
 def _check_state(state: Any) -> dict[str, Any]:
