@@ -286,8 +286,8 @@ def _choose_path(
     if per_document or spec.kind == "causal":
         # On CPU, SDPA per document beats compiled flex even without grad (bench/attention.py).
         return sdpa_path()
-    if q.device.type == "cpu" and not grad:
-        return "flex"
+    if q.device.type == "cpu" and not grad and q.dtype != torch.float64:
+        return "flex"  # (flex on CPU has no float64 kernel: float64 stays on SDPA)
     return sdpa_path()
 
 
