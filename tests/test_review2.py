@@ -19,3 +19,16 @@ def test_auto_float64_without_grad_on_cpu_runs_off_flex():
     with torch.no_grad():
         out = flexpack.attention(q, k, v, m)
     torch.testing.assert_close(out, reference_attention(q, k, v, m))
+
+
+def test_tree_mask_all_padding_still_has_a_backward():
+    # The per-segment SDPA path returned fresh zeros with no graph when every token is padding,
+    # so backward raised "does not require grad" (the per-document path keeps its graph).
+    seg = torch.full((2, 4), -1)
+    m = fm.tree(seg, torch.full((2, 1), -1))
+    q, k, v = (torch.randn(2, 2, 4, 8, requires_grad=True) for _ in range(3))
+    out = flexpack.attention(q, k, v, m)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for x in (q, k, v):
+        assert torch.equal(x.grad, torch.zeros_like(x))
