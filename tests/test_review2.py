@@ -32,3 +32,18 @@ def test_tree_mask_all_padding_still_has_a_backward():
     out.sum().backward()
     for x in (q, k, v):
         assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+def test_doc_ids_strategy_refuses_dtypes_that_would_wrap():
+    # The strategy wrote int64 ids and cast them: uint8 turned padding -1 into document 255 and
+    # int8 turned ids past 127 into negative ids (padding) even with allow_padding=False.
+    import pytest
+
+    from flexpack.testing.strategies import doc_ids
+
+    with pytest.raises(ValueError, match="cannot hold -1"):
+        doc_ids(seq_len=6, dtype=torch.uint8).example()
+    with pytest.raises(ValueError, match="holds ids up to 127"):
+        doc_ids(seq_len=200, dtype=torch.int8, allow_padding=False).example()
+    d = doc_ids(seq_len=6, dtype=torch.uint8, allow_padding=False).example()
+    assert d.dtype == torch.uint8 and int(d.max()) < 6
