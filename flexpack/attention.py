@@ -13,7 +13,8 @@ CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 
 CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
           flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
           ``is_causal``; other masks: compiled flex_attention at fixed shapes without
-          grad, SDPA with a dense mask with grad
+          grad (float64, which CPU flex lacks, stays on SDPA), SDPA with a dense mask with
+          grad
 ========  ==========================================================================
 
 Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
