@@ -242,6 +242,12 @@ def _choose_path(
                 "has no CPU backward. Use backend='auto' or 'sdpa' (same result, with a "
                 "backward), or run under torch.no_grad()"
             )
+        if q.dtype == torch.float64 and q.device.type == "cpu":
+            raise ValueError(
+                f"backend='flex' cannot run float64 on CPU: torch {torch.__version__}'s CPU "
+                "flex_attention takes float32, float16 and bfloat16 only. Use backend='auto' or "
+                "'sdpa' (float64 runs there), or cast q, k, v with .float()"
+            )
         return "flex"
     if backend == "varlen":
         problems = []
@@ -425,8 +431,8 @@ def attention(
             neither a flexpack mask nor a BlockMask; ``scale`` or ``softcap`` is not a number.
         ValueError: shapes disagree (q vs k/v, mask vs S or B), devices disagree, Hkv != Hq
             without ``enable_gqa``, an unknown backend, or a backend that cannot run this mask
-            here ("flex" with grad on CPU, "varlen" off CUDA / in fp32 / on a non-document mask
-            / with softcap), a softcap that is not positive and finite.
+            here ("flex" with grad or float64 on CPU, "varlen" off CUDA / in fp32 / on a
+            non-document mask / with softcap), a softcap that is not positive and finite.
         RecompileLimitError: compiled flex_attention hit dynamo's recompile limit (too many
             distinct shapes); raised instead of silently running eagerly, many times slower.
 

@@ -47,3 +47,13 @@ def test_doc_ids_strategy_refuses_dtypes_that_would_wrap():
         doc_ids(seq_len=200, dtype=torch.int8, allow_padding=False).example()
     d = doc_ids(seq_len=6, dtype=torch.uint8, allow_padding=False).example()
     assert d.dtype == torch.uint8 and int(d.max()) < 6
+
+
+def test_flex_backend_float64_on_cpu_names_the_fix():
+    # Used to surface as a long inductor lowering dump from inside torch.compile.
+    import pytest
+
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    m = fm.document(torch.tensor([[0, 0, 1, 1]]))
+    with torch.no_grad(), pytest.raises(ValueError, match="backend='auto' or 'sdpa'"):
+        flexpack.attention(q, q, q, m, backend="flex")
