@@ -135,4 +135,8 @@ def per_tree_sdpa(
             )
             outs.append(out[0])
         rows.append(torch.cat(outs, dim=1) if len(outs) > 1 else outs[0])
-    return torch.stack(rows)
+    out = torch.stack(rows)
+    if not any(piece.path for row in pieces for piece in row):
+        # All padding: keep the graph so that backward still runs (gradients are 0).
+        out = out + 0.0 * (q.sum() + k.sum() + v.sum())
+    return out

@@ -13,7 +13,8 @@ CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 
 CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
           flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
           ``is_causal``; other masks: compiled flex_attention at fixed shapes without
-          grad, SDPA with a dense mask with grad
+          grad (float64, which CPU flex lacks, stays on SDPA), SDPA with a dense mask with
+          grad
 ========  ==========================================================================
 
 Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
@@ -241,6 +242,12 @@ def _choose_path(
                 "has no CPU backward. Use backend='auto' or 'sdpa' (same result, with a "
                 "backward), or run under torch.no_grad()"
             )
+        if q.dtype == torch.float64 and q.device.type == "cpu":
+            raise ValueError(
+                f"backend='flex' cannot run float64 on CPU: torch {torch.__version__}'s CPU "
+                "flex_attention takes float32, float16 and bfloat16 only. Use backend='auto' or "
+                "'sdpa' (float64 runs there), or cast q, k, v with .float()"
+            )
         return "flex"
     if backend == "varlen":
         problems = []
@@ -286,8 +293,8 @@ def _choose_path(
     if per_document or spec.kind == "causal":
         # On CPU, SDPA per document beats compiled flex even without grad (bench/attention.py).
         return sdpa_path()
-    if q.device.type == "cpu" and not grad:
-        return "flex"
+    if q.device.type == "cpu" and not grad and q.dtype != torch.float64:
+        return "flex"  # (flex on CPU has no float64 kernel: float64 stays on SDPA)
     return sdpa_path()
 
 
@@ -424,8 +431,8 @@ def attention(
             neither a flexpack mask nor a BlockMask; ``scale`` or ``softcap`` is not a number.
         ValueError: shapes disagree (q vs k/v, mask vs S or B), devices disagree, Hkv != Hq
             without ``enable_gqa``, an unknown backend, or a backend that cannot run this mask
-            here ("flex" with grad on CPU, "varlen" off CUDA / in fp32 / on a non-document mask
-            / with softcap), a softcap that is not positive and finite.
+            here ("flex" with grad or float64 on CPU, "varlen" off CUDA / in fp32 / on a
+            non-document mask / with softcap), a softcap that is not positive and finite.
         RecompileLimitError: compiled flex_attention hit dynamo's recompile limit (too many
             distinct shapes); raised instead of silently running eagerly, many times slower.
 

@@ -188,6 +188,18 @@ def doc_ids(
         )
     if dtype.is_floating_point or dtype == torch.bool or dtype.is_complex:
         raise ValueError(f"doc_ids dtype must be an integer dtype, got {dtype}.")
+    # The ids are written as int64 and cast: an id or -1 that dtype cannot hold would wrap.
+    if not dtype.is_signed and (allow_padding or allow_empty_rows):
+        raise ValueError(
+            f"doc_ids dtype {dtype} cannot hold -1 (padding); pass a signed dtype, or "
+            f"allow_padding=False and allow_empty_rows=False."
+        )
+    longest = seq_len if seq_len is not None else max_seq_len
+    if longest - 1 > torch.iinfo(dtype).max:
+        raise ValueError(
+            f"doc_ids dtype {dtype} holds ids up to {torch.iinfo(dtype).max}, but rows of up to "
+            f"{longest} tokens need ids up to {longest - 1}; use a wider dtype or shorter rows."
+        )
     S = (
         seq_len
         if seq_len is not None
