@@ -208,7 +208,9 @@ class GPT(nn.Module):
                 forward builds ``flexpack.document_causal_mask(doc_ids)`` once and every layer
                 attends through ``flexpack.attention``; None, the attention is plain causal.
             mask: a prebuilt flexpack ``Mask`` or ``BlockMask`` of shape (B or 1, 1, S, S) to use
-                instead of building one from ``doc_ids`` (e.g. built in a DataLoader worker).
+                instead of building one from ``doc_ids`` (e.g. the ``block_mask`` of
+                ``flexpack.data.collate_with_mask``, built in a DataLoader worker: Masks and
+                BlockMasks themselves do not pickle).
 
         Returns:
             (B, S, V) logits, in the dtype of the parameters.
