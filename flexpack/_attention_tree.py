@@ -36,7 +36,7 @@ def spans_of(mask: object) -> list[list[_Piece]]:
     (every layer of a forward passes the same Mask)."""
     pieces = getattr(mask, "_spans", None)
     if pieces is None:
-        pieces = tree_pieces(mask._segment_ids, mask._tree_ends)
+        pieces = tree_pieces(mask.doc_ids, mask._tree_ends)
         mask._spans = pieces
     return pieces
 

@@ -942,10 +942,10 @@ def _tree_mod(segment_ids: Tensor, ends: Tensor) -> MaskMod:
 class _TreeMask(Mask):
     """A Mask of kind "tree": keeps its own forest tables for the block-level classification."""
 
-    __slots__ = ("_segment_ids", "_spans", "_tree_ends")  # _spans: flexpack._attention_tree
+    __slots__ = ("_spans", "_tree_ends")  # _spans: flexpack._attention_tree; segments: doc_ids
 
     def _classes(self, block_size: int, q_len: int, kv_len: int, device: torch.device) -> Tensor:
-        return _bm.classify_tree(self._segment_ids, self._tree_ends, block_size)
+        return _bm.classify_tree(self.doc_ids, self._tree_ends, block_size)
 
 
 def tree(segment_ids: Tensor, parents: Tensor) -> Mask:
@@ -985,7 +985,6 @@ def tree(segment_ids: Tensor, parents: Tensor) -> Mask:
 
 def _tree_from_tables(seg: Tensor, ends: Tensor) -> Mask:
     mask = _TreeMask("tree", _named(_tree_mod(seg, ends), "tree"), doc_ids=seg)
-    mask._segment_ids = seg
     mask._tree_ends = ends
     mask._spans = None
     return mask
