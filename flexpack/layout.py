@@ -416,7 +416,7 @@ class PackedLayout:
         is_eos = (ids == int(eos_id)).to(torch.int32)
         # A token's document is the number of EOS tokens strictly before it in its row.
         doc = torch.cumsum(is_eos, dim=1, dtype=torch.int32) - is_eos
-        return cls(doc)
+        return cls._trusted(doc)  # already canonical: runs 0..n-1 per row, no padding
 
     @classmethod
     def from_cu_seqlens(
