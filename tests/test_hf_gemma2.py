@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from _rows import documents
 
 import flexpack
 
@@ -47,7 +48,7 @@ def test_packed_gemma2_equals_each_document_alone():
         layer.self_attn.attn_logit_softcapping = None
     with torch.no_grad():
         worst = capped_vs_not = 0.0
-        for row, start, stop in _documents(batch.doc_ids):
+        for row, start, stop in documents(batch.doc_ids):
             ids = batch.input_ids[row, start:stop][None].long()
             want = reference(input_ids=ids, use_cache=False).logits[0]
             worst = max(worst, (logits[row, start:stop] - want).abs().max().item())
@@ -55,13 +56,3 @@ def test_packed_gemma2_equals_each_document_alone():
             capped_vs_not = max(capped_vs_not, (other - want).abs().max().item())
     assert worst < 1e-5
     assert capped_vs_not > 1e-2  # the cap is on, and matters
-
-
-def _documents(doc_ids):
-    for row, ids in enumerate(doc_ids.tolist()):
-        start = 0
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or ids[i] != ids[start]:
-                if ids[start] >= 0:
-                    yield row, start, i
-                start = i

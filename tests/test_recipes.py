@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from _rows import documents
 
 transformers = pytest.importorskip("transformers")
 trl = pytest.importorskip("trl")
@@ -62,14 +63,9 @@ def row_spans(batch: dict) -> list[tuple[int, int, int]]:
     """(row, start, stop) of every sample of a (B, S) batch, read independently of flexpack:
     from the runs of ``doc_ids`` (-1 = padding) when the batch has them, else from
     ``position_ids`` (a sample starts at position 0)."""
-    out = []
     if "doc_ids" in batch:
-        for r, ids in enumerate(batch["doc_ids"].tolist()):
-            cuts = [i for i in range(1, len(ids)) if ids[i] != ids[i - 1]]
-            for a, b in itertools.pairwise([0, *cuts, len(ids)]):
-                if ids[a] >= 0:
-                    out.append((r, a, b))
-        return out
+        return documents(batch["doc_ids"])
+    out = []
     for r in range(batch["position_ids"].shape[0]):
         out += [(r, a, b) for a, b in spans(batch["position_ids"][r : r + 1])]
     return out
