@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from flexpack._attention_sdpa import _tokens, _untokens, cached_plan
+from flexpack._attention_sdpa import _tokens, _untokens, cached_plan, document_groups
 
 
 class RecompileLimitError(RuntimeError):
@@ -216,33 +216,9 @@ class _VarlenPlan:
 
 
 def _varlen_plan(doc_ids: Tensor) -> _VarlenPlan:
-    """The plan of (B, S) doc ids with one host sync: four counts read back together.
-
-    Tokens are ordered by (row, id, position), as ``document_groups`` does; boolean indexing and
-    ``nonzero`` (a sync each) become ``nonzero_static`` with the counts read in the one sync.
-    """
-    B, S = doc_ids.shape
-    device = doc_ids.device
-    ids, idx = torch.sort(doc_ids.long(), dim=1, stable=True)  # padding (< 0) first per row
-    keep = (ids >= 0).reshape(-1)  # (B * S,)
-    ids = ids.reshape(-1)
-    pos = torch.arange(B * S, device=device)
-    start = keep.clone()  # a kept token that opens a document (new id, or a new row)
-    start[1:] &= (ids[1:] != ids[:-1]) | (pos[1:] % S == 0)
-    run_start = torch.where(start, pos, 0).cummax(0).values
-    longest = torch.where(keep, pos - run_start + 1, 0).max()
-    in_order = keep.all() & (idx == torch.arange(S, device=device)).all()
-    T, N, max_seqlen, identity = torch.stack(
-        (keep.sum(), start.sum(), longest, in_order.long())
-    ).tolist()  # the one host sync
-    flat = (idx + torch.arange(B, device=device)[:, None] * S).reshape(-1)
-    kept = torch.nonzero_static(keep, size=T).squeeze(1)
-    order = flat.index_select(0, kept)
-    rank = torch.cumsum(keep, 0, dtype=torch.int32) - 1  # position in the unpadded stream
-    cu_seqlens = torch.empty(N + 1, dtype=torch.int32, device=device)
-    cu_seqlens[:N] = rank.index_select(0, torch.nonzero_static(start, size=N).squeeze(1))
-    cu_seqlens[N] = T
-    return _VarlenPlan(order, cu_seqlens, int(max_seqlen), bool(identity))
+    """The plan of (B, S) doc ids: ``document_groups`` (one host sync)."""
+    groups = document_groups(doc_ids)
+    return _VarlenPlan(groups.order, groups.cu_seqlens, groups.max_seqlen, groups.in_order)
 
 
 def layout_varlen_plan(layout, B: int | None = None) -> _VarlenPlan | None:

@@ -43,34 +43,47 @@ class DocumentGroups:
             this is exactly flash-attn's ``unpad_input`` ``indices``.
         seqlens: (N,) int64 length of each document, in the order of ``order``.
         cu_seqlens: (N + 1,) int32 offsets of the documents in ``order``.
+        max_seqlen: the longest document (0 when there is none).
+        in_order: ``order`` is ``0..B*S-1``: no padding, documents in order (no gather needed).
     """
 
     order: Tensor
     seqlens: Tensor
     cu_seqlens: Tensor
+    max_seqlen: int
+    in_order: bool
 
 
 def document_groups(doc_ids: Tensor) -> DocumentGroups:
-    """Group the tokens of ``doc_ids`` (B, S) int by document (see :class:`DocumentGroups`)."""
+    """Group the tokens of ``doc_ids`` (B, S) int by document (see :class:`DocumentGroups`).
+
+    One host sync: the four counts that size the outputs are read back together, and
+    ``nonzero_static`` takes the place of boolean indexing and ``nonzero`` (a sync each), so the
+    varlen path on CUDA pays one sync per layout.
+    """
     B, S = doc_ids.shape
-    # A stable sort per row orders tokens by (id, position); padding (< 0) sorts first.
-    ids, idx = torch.sort(doc_ids.long(), dim=1, stable=True)
-    rows = torch.arange(B, device=doc_ids.device).unsqueeze(1).expand(B, S)
-    keep = ids >= 0
-    ids, rows = ids[keep], rows[keep]  # (T,)
-    order = (idx + torch.arange(B, device=doc_ids.device).unsqueeze(1) * S)[keep]
-    T = ids.numel()
+    device = doc_ids.device
+    ids, idx = torch.sort(doc_ids.long(), dim=1, stable=True)  # padding (< 0) first per row
+    keep = (ids >= 0).reshape(-1)  # (B * S,)
+    ids = ids.reshape(-1)
+    pos = torch.arange(B * S, device=device)
+    start = keep.clone()  # a kept token that opens a document (new id, or a new row)
+    start[1:] &= (ids[1:] != ids[:-1]) | (pos[1:] % S == 0)
+    run_start = torch.where(start, pos, 0).cummax(0).values
+    longest = torch.where(keep, pos - run_start + 1, 0).amax() if B * S else pos.sum()
+    in_order = keep.all() & (idx == torch.arange(S, device=device)).all()
+    T, N, max_seqlen, identity = torch.stack(
+        (keep.sum(), start.sum(), longest, in_order.long())
+    ).tolist()  # the one host sync
     _check_int32_tokens(T)  # cu_seqlens below are int32: refuse rather than wrap
-    if T == 0:
-        seqlens = ids.new_zeros(0)
-    else:
-        new_doc = torch.ones(T, dtype=torch.bool, device=doc_ids.device)
-        new_doc[1:] = (ids[1:] != ids[:-1]) | (rows[1:] != rows[:-1])
-        starts = torch.nonzero(new_doc).squeeze(1)
-        seqlens = torch.diff(starts, append=starts.new_full((1,), T))
-    cu_seqlens = torch.zeros(seqlens.numel() + 1, dtype=torch.int32, device=doc_ids.device)
-    cu_seqlens[1:] = torch.cumsum(seqlens, 0)
-    return DocumentGroups(order=order, seqlens=seqlens, cu_seqlens=cu_seqlens)
+    flat = (idx + torch.arange(B, device=device)[:, None] * S).reshape(-1)
+    order = flat.index_select(0, torch.nonzero_static(keep, size=T).squeeze(1))
+    rank = torch.cumsum(keep, 0, dtype=torch.int32) - 1  # position in the unpadded stream
+    cu_seqlens = torch.empty(N + 1, dtype=torch.int32, device=device)
+    cu_seqlens[:N] = rank.index_select(0, torch.nonzero_static(start, size=N).squeeze(1))
+    cu_seqlens[N] = T
+    seqlens = torch.diff(cu_seqlens).long()
+    return DocumentGroups(order, seqlens, cu_seqlens, int(max_seqlen), bool(identity))
 
 
 _Plan = TypeVar("_Plan")
