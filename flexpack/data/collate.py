@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 _PADDED = ("input_ids", "labels", "doc_ids")
-_INT32 = (-(2**31), 2**31 - 1)
 
 
 def _as_array(x: Any, what: str) -> np.ndarray:
@@ -27,20 +26,6 @@ def _as_array(x: Any, what: str) -> np.ndarray:
     if arr.dtype.kind not in "iu":
         raise TypeError(f"{what} has dtype {arr.dtype}, expected integers.")
     return arr
-
-
-def _dense_doc_ids(doc_ids: np.ndarray) -> np.ndarray:
-    """(R, S) doc ids as int32 with the same meaning: ids that do not fit int32 are renumbered
-    per row by rank (equal ids stay equal, order is kept, negative ids stay -1 padding)."""
-    lo, hi = (int(doc_ids.min()), int(doc_ids.max())) if doc_ids.size else (0, 0)
-    if _INT32[0] <= lo and hi <= _INT32[1]:
-        return doc_ids.astype(np.int32)
-    out = np.full(doc_ids.shape, -1, dtype=np.int32)
-    for r in range(doc_ids.shape[0]):  # one np.unique per row, no Python per token
-        real = doc_ids[r] >= 0
-        _, rank = np.unique(doc_ids[r][real], return_inverse=True)
-        out[r][real] = rank
-    return out
 
 
 def _padded_row(row: Any, i: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -234,7 +219,7 @@ def collate(rows: Sequence[Any], *, max_len: int | None = None, pad_id: int = 0)
     return PackedBatch(
         input_ids=torch.from_numpy(input_ids.astype(np.int64, copy=False)),
         labels=torch.from_numpy(labels.astype(np.int64, copy=False)),
-        layout=PackedLayout.from_doc_ids(torch.from_numpy(_dense_doc_ids(doc_ids))),
+        layout=PackedLayout.from_doc_ids(doc_ids),  # renumbers ids of any size per row
     )
 
 
