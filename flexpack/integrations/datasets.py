@@ -40,15 +40,6 @@ __all__ = ["pack_dataset"]
 _ROW = "__flexpack_row__"
 
 
-def _segments_of(plan: Any, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(m, 4) segments of ``rows`` in that order, and (len(rows),) segments per row."""
-    off = plan.row_offsets
-    counts = off[rows + 1] - off[rows]
-    first = np.cumsum(counts) - counts
-    idx = np.repeat(off[rows] - first, counts) + np.arange(int(counts.sum()))
-    return plan.segments[idx], counts
-
-
 def _gather(
     source: HFSource, column: str, seg: np.ndarray, starts: np.ndarray, dtype: str
 ) -> np.ndarray:
@@ -80,7 +71,7 @@ def _build_unpadded(batch: dict[str, list[int]], *, source: HFSource, plan: Any,
     import pyarrow as pa
 
     rows = np.asarray(batch[_ROW], dtype=np.int64)
-    seg, counts = _segments_of(plan, rows)
+    seg, counts = plan._select(rows)
     seqlens = seg[:, 3] - seg[:, 2]
     starts = np.cumsum(seqlens) - seqlens  # each document's first token in the output
     row_tokens = np.add.reduceat(seqlens, np.cumsum(counts) - counts) if len(rows) else counts
@@ -111,7 +102,7 @@ def _build_padded(
     from flexpack.data.dataset import _Fetched
 
     rows = np.asarray(batch[_ROW], dtype=np.int64)
-    seg, _ = _segments_of(plan, rows)
+    seg, _ = plan._select(rows)
     need = np.unique(seg[:, 1])
     items = dict(zip(need.tolist(), source.take_items(need), strict=True))
     fetched = _Fetched(len(plan.lengths), items)
