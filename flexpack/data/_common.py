@@ -3,7 +3,8 @@
 A *source* wraps whatever holds the token sequences (a list, a numpy object array, an Arrow list
 column, a Hugging Face ``datasets.Dataset`` column) behind three operations: ``len``, ``lengths()``
 (all sequence lengths at once, cheaply: Arrow list offsets rather than one Python call per row) and
-``take(indices)`` (the token arrays of a few samples).
+``take_items(indices)`` (a few samples as ``PackPlan.materialize`` reads them: token arrays, or
+dicts with ``input_ids`` and ``labels``).
 """
 
 from __future__ import annotations
@@ -116,13 +117,6 @@ class SequenceSource:
             if lab is not None:
                 check_label_length(i, out[i], len(lab), self.labels_column)
         return out
-
-    def take(self, indices: np.ndarray) -> list[np.ndarray]:
-        """The token arrays of samples ``indices``."""
-        return [
-            as_tokens(self._ids_and_labels(self.samples[int(i)], int(i))[0], f"samples[{int(i)}]")
-            for i in indices
-        ]
 
     def take_items(self, indices: np.ndarray) -> list[Any]:
         """Samples ``indices`` as ``PackPlan.materialize`` reads them: token arrays, or dicts with
@@ -382,11 +376,6 @@ class HFSource:
     def take_table(self, indices: np.ndarray) -> Any:
         """A pyarrow Table of samples ``indices``: the token column, then the labels column."""
         return self.ds[[int(i) for i in indices]]
-
-    def take(self, indices: np.ndarray) -> list[np.ndarray]:
-        if len(indices) == 0:
-            return []
-        return split_list_array(self.take_table(indices).column(self.column))
 
     def take_items(self, indices: np.ndarray) -> list[Any]:
         if len(indices) == 0:
