@@ -84,8 +84,8 @@ def _build_masks(config: Any, doc_ids: Tensor, blocks: Sequence[nn.Module]) -> _
     LitGPT's window lets query i see keys i - w + 1 .. i (w keys); ``flexpack.masks.
     sliding_window(n)`` allows ``q - kv <= n``, so LitGPT's w is ``sliding_window(w - 1)``. A
     window at least as long as the row never binds and is left out (the per-document path stays
-    available). On CUDA the masks become BlockMasks here, once; on CPU the Mask objects let
-    ``flexpack.attention`` reuse its per-document plan across layers.
+    available). The masks stay descriptions: ``flexpack.attention`` builds a BlockMask only on
+    the flex path, once per forward, and reuses its per-document (or varlen) plan across layers.
     """
     S = doc_ids.shape[1]
     full = _masks.document(doc_ids) & _masks.causal()
@@ -93,10 +93,6 @@ def _build_masks(config: Any, doc_ids: Tensor, blocks: Sequence[nn.Module]) -> _
     window = config.sliding_window_size
     if window is not None and any(b.attn.apply_sliding_window_attention for b in blocks):
         local = full if window >= S else full & _masks.sliding_window(int(window) - 1)
-    if doc_ids.device.type == "cuda":
-        full_bm = full.block_mask()
-        local_bm = None if local is None else (full_bm if local is full else local.block_mask())
-        return _Masks(full_bm, local_bm)
     return _Masks(full, local)
 
 
@@ -161,10 +157,10 @@ def _attention_layer(
     k = torch.cat((rope(k[..., :n], cos, sin), k[..., n:]), dim=-1)
     # LitGPT's scale: 1/sqrt(attention_scores_scalar or head_size), times YaRN's mscale^2.
     scale = 1.0 / math.sqrt(cfg.attention_scores_scalar or D) * attn.mscale * attn.mscale
-    kwargs = {}
-    if cfg.attention_logit_softcapping is not None:
-        kwargs["softcap"] = float(cfg.attention_logit_softcapping)
-    y = attention(q, k, v, mask, scale=scale, enable_gqa=Hkv != Hq, backend=backend, **kwargs)
+    y = attention(
+        q, k, v, mask, scale=scale, enable_gqa=Hkv != Hq, backend=backend,
+        softcap=cfg.attention_logit_softcapping,
+    )  # fmt: skip
     y = y.transpose(1, 2).reshape(B, S, Hq * D)  # (B, S, Hq*D)
     return attn.proj(y)
 
