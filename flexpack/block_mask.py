@@ -119,28 +119,32 @@ class _BlockStats:
     """
 
     def __init__(self, doc_ids: Tensor, block_size: int) -> None:
-        B, S = doc_ids.shape
-        nb = _num_blocks(S, block_size)
-        # One block covers the whole row when block_size >= S: its statistics are over S
-        # tokens, so memory follows S and not block_size (block_size=2**40 is fine).
-        block_size = min(block_size, S)
-        tail = nb * block_size - S
         d = _narrow(doc_ids)
         real = d >= 0
-        pad_token = ~real
-        if tail:
-            # Out-of-range positions are neither real nor padding.
-            d = torch.nn.functional.pad(d, (0, tail), value=-1)
-            real = torch.nn.functional.pad(real, (0, tail), value=False)
-            pad_token = torch.nn.functional.pad(pad_token, (0, tail), value=False)
-        d = d.view(B, nb, block_size)
-        real = real.view(B, nb, block_size)
+        # Out-of-range positions are neither real nor padding.
+        pad_token = _blocked(~real, block_size, False)
+        d, real = _blocked(d, block_size, -1), _blocked(real, block_size, False)
         big = torch.iinfo(d.dtype).max
         self.any_real = real.any(-1)
-        self.all_real = ~pad_token.view(B, nb, block_size).any(-1)
+        self.all_real = ~pad_token.any(-1)
         self.lo = torch.where(real, d, big).amin(-1)
         self.hi = torch.where(real, d, -big).amax(-1)
         self.single = self.any_real & (self.lo == self.hi)
+
+
+def _blocked(x: Tensor, block_size: int, fill: bool | int) -> Tensor:
+    """(B, S) per-token values as (B, nb, width) blocks, the tail padded with ``fill``.
+
+    One block covers the whole row when block_size >= S: width is min(block_size, S), so memory
+    follows S and not block_size (block_size=2**40 is fine).
+    """
+    B, S = x.shape
+    nb = _num_blocks(S, block_size)
+    width = min(block_size, S)
+    tail = nb * width - S
+    if tail:
+        x = torch.nn.functional.pad(x, (0, tail), value=fill)
+    return x.view(B, nb, width)
 
 
 def _narrow(doc_ids: Tensor) -> Tensor:
@@ -298,7 +302,7 @@ def classify_prefix_lm(doc_ids: Tensor, in_prefix: Tensor, block_size: int) -> T
                  [2, 1, 0],
                  [0, 0, 1]]], dtype=torch.int8)
     """
-    B, S = doc_ids.shape
+    S = doc_ids.shape[1]
     nb = _num_blocks(S, block_size)
     sorted_ = True  # validated by the caller: ids 0..n-1 in order
     stats = _BlockStats(doc_ids, block_size)
@@ -312,10 +316,9 @@ def classify_prefix_lm(doc_ids: Tensor, in_prefix: Tensor, block_size: int) -> T
     # Diagonal: non-empty iff the block holds a real token (the pair (t, t)). Full iff one
     # document, no padding, and every token but the block's first in the prefix (those are
     # the keys some query of the block sees ahead of itself).
-    width = min(block_size, S)  # in-range tokens per block when one block covers the row
     block_start = (torch.arange(S, device=doc_ids.device) % block_size) == 0
-    ok = torch.nn.functional.pad(in_prefix | block_start, (0, nb * width - S), value=True)
-    diag_full = stats.single & stats.all_real & ok.view(B, nb, width).all(-1)
+    ok = _blocked(in_prefix | block_start, block_size, True)
+    diag_full = stats.single & stats.all_real & ok.all(-1)
     diag = _classes(stats.any_real, diag_full)
     out[:, i, i] = diag
     return out
@@ -671,7 +674,7 @@ def classify_tree(segment_ids: Tensor, ends: Tensor, block_size: int) -> Tensor:
                  [2, 1, 0],
                  [2, 0, 1]]], dtype=torch.int8)
     """
-    B, S = segment_ids.shape
+    S = segment_ids.shape[1]
     nb = _num_blocks(S, block_size)
     stats = _BlockStats(segment_ids, block_size)
     seg = segment_ids.to(torch.int64)
@@ -679,12 +682,8 @@ def classify_tree(segment_ids: Tensor, ends: Tensor, block_size: int) -> Tensor:
     W = ends.shape[1]
     tok_end = torch.gather(ends.to(torch.int64), 1, torch.where(real, seg, W - 1))  # (B, S)
     big = torch.iinfo(torch.int64).max
-    tail = nb * block_size - S
-    pad = (0, tail)
-    hi_end = torch.nn.functional.pad(torch.where(real, tok_end, -1), pad, value=-1)
-    lo_end = torch.nn.functional.pad(torch.where(real, tok_end, big), pad, value=big)
-    max_end = hi_end.view(B, nb, block_size).amax(-1)  # (B, nb) over the key block
-    min_end = lo_end.view(B, nb, block_size).amin(-1)
+    max_end = _blocked(torch.where(real, tok_end, -1), block_size, -1).amax(-1)  # (B, nb)
+    min_end = _blocked(torch.where(real, tok_end, big), block_size, big).amin(-1)
     both = stats.any_real[:, :, None] & stats.any_real[:, None, :]  # (B, nq, nk)
     nonempty = both & (stats.lo.to(torch.int64)[:, :, None] < max_end[:, None, :])
     full = (
