@@ -50,14 +50,10 @@ def tree_pieces(segment_ids: Tensor, ends: Tensor) -> list[list[_Piece]]:
     """
     device = segment_ids.device
     out = []
-    for seg_row, ends_row in zip(segment_ids.tolist(), ends.tolist(), strict=True):
+    for seg_row, ends_row in zip(segment_ids, ends.tolist(), strict=True):
         # Maximal runs of equal ids: each segment is one run, padding runs between them.
-        runs: list[list[int]] = []  # [id, length]
-        for s in seg_row:
-            if runs and runs[-1][0] == s:
-                runs[-1][1] += 1
-            else:
-                runs.append([s, 1])
+        ids, lengths = torch.unique_consecutive(seg_row, return_counts=True)
+        runs = list(zip(ids.tolist(), lengths.tolist(), strict=True))  # (id, length)
         piece_of: dict[int, int] = {}
         stack: list[int] = []  # the current root-to-segment path, as segment ids
         pieces = []
@@ -73,9 +69,8 @@ def tree_pieces(segment_ids: Tensor, ends: Tensor) -> list[list[_Piece]]:
             mask = None
             if len(path) > 1:
                 A = sum(runs[p][1] for p in path[:-1])
-                own = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-                ancestors = torch.ones(length, A, dtype=torch.bool, device=device)
-                mask = torch.cat([ancestors, own], dim=1)
+                # Every ancestor key (A columns), then its own keys causally.
+                mask = torch.ones(length, A + length, dtype=torch.bool, device=device).tril(A)
             pieces.append(_Piece(length, path, mask))
         out.append(pieces)
     return out
