@@ -135,10 +135,13 @@ class SequenceSource:
         return out
 
 
-def check_label_length(i: int, n_ids: int, n_labels: int, labels_column: Any) -> None:
+def check_label_length(i: int | str, n_ids: int, n_labels: int, labels_column: Any) -> None:
+    """ValueError unless a sample has one label per token; ``i`` is its index or a description
+    ("stream item 3")."""
     if n_ids != n_labels:
+        where = f"sample {i}" if isinstance(i, int) else i
         raise ValueError(
-            f"sample {i} has {n_ids} input_ids but {n_labels} labels; they must have the same "
+            f"{where} has {n_ids} input_ids but {n_labels} labels; they must have the same "
             f"length (one label per token, -100 where no loss). Fix that sample, or pass "
             f"labels_column=None to ignore the {labels_column!r} labels."
         )

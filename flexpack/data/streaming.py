@@ -26,6 +26,7 @@ from flexpack.data._common import (
     _is_hf_dataset,
     as_tokens,
     check_choice,
+    check_label_length,
     check_positive_int,
 )
 from flexpack.data.dataset import _dist_default
@@ -249,7 +250,8 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             sample = sample[self.column]
         ids = as_tokens(sample, where)
         if labels is not None:
-            labels = _check_labels(as_tokens(labels, f"labels of {where}"), ids, where)
+            labels = as_tokens(labels, f"labels of {where}")
+            check_label_length(where, len(ids), len(labels), self.labels_column)
         return ids, labels
 
     # -- state -------------------------------------------------------------------------------
@@ -436,7 +438,10 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             if lazy_labels is not None:
                 for k, lab in zip(ks, _take_lists(lazy_labels, ks), strict=True):
                     if lab is not None:  # a null labels row: labelled by its tokens
-                        labs[k] = _check_labels(lab, toks[k], f"stream item {k}")
+                        check_label_length(
+                            f"stream item {k}", len(toks[k]), len(lab), self.labels_column
+                        )
+                        labs[k] = lab
             return toks, labs
 
         def build(row: list[tuple[int, int, int]]) -> Any:
@@ -522,15 +527,6 @@ def _whole_stream(it: Iterable[Any]) -> Iterator[Any]:
         keys = list(batch)
         for j in range(len(batch[keys[0]]) if keys else 0):
             yield {k: batch[k][j] for k in keys}
-
-
-def _check_labels(labels: np.ndarray, ids: np.ndarray, where: str) -> np.ndarray:
-    if len(labels) != len(ids):
-        raise ValueError(
-            f"{where} has {len(ids)} input_ids but {len(labels)} labels; they must have the "
-            "same length (one label per token, -100 where no loss is wanted)."
-        )
-    return labels
 
 
 def _hf_lengths(source: HFSource, start: int) -> Iterator[tuple[int, int]]:
