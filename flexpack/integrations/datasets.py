@@ -41,18 +41,26 @@ _ROW = "__flexpack_row__"
 
 
 def _gather(
-    source: HFSource, column: str, seg: np.ndarray, starts: np.ndarray, dtype: str
+    source: HFSource,
+    column: str,
+    seg: np.ndarray,
+    starts: np.ndarray,
+    dtype: str,
+    taken: dict[str, Any],
 ) -> np.ndarray:
     """(T,) tokens of the segments ``seg`` back to back, ``starts`` (m,) each one's first
     output position. Zero-copy reads of the source's buffers, one fancy index per Arrow chunk;
-    an Arrow take where the dataset has an indices mapping."""
+    an Arrow take where the dataset has an indices mapping, made once per batch and kept in
+    ``taken`` for the other column (the take returns both)."""
     seqlens = seg[:, 3] - seg[:, 2]
     total = int(seqlens.sum())
     views = source.flat_views(column)
     if views is None:
-        need, inv = np.unique(seg[:, 1], return_inverse=True)
-        offsets, values = flat_list_array(source.take_table(need).column(column))
-        src = offsets[inv] + seg[:, 2]
+        if not taken:
+            need, taken["inv"] = np.unique(seg[:, 1], return_inverse=True)
+            taken["table"] = source.take_table(need)
+        offsets, values = flat_list_array(taken["table"].column(column))
+        src = offsets[taken["inv"]] + seg[:, 2]
         return values[np.repeat(src - starts, seqlens) + np.arange(total)].astype(dtype)
     chunk_of, start_of, values = views
     out = np.empty(total, dtype=dtype)
@@ -84,9 +92,11 @@ def _build_unpadded(batch: dict[str, list[int]], *, source: HFSource, plan: Any,
         return pa.LargeListArray.from_arrays(pa.array(off, pa.int64()), pa.array(vals, typ))
 
     typ = pa.int32() if dtype == "int32" else pa.int64()
-    out = {"input_ids": lists(_gather(source, source.column, seg, starts, dtype), row_off, typ)}
+    taken: dict[str, Any] = {}
+    ids = _gather(source, source.column, seg, starts, dtype, taken)
+    out = {"input_ids": lists(ids, row_off, typ)}
     if source.labels_column:
-        labels = _gather(source, source.labels_column, seg, starts, dtype)
+        labels = _gather(source, source.labels_column, seg, starts, dtype, taken)
         labels[starts] = -100  # a document's first token is never predicted
         out["labels"] = lists(labels, row_off, typ)
     out["seqlens"] = lists(seqlens.astype(np.int32), doc_off, pa.int32())
