@@ -72,13 +72,28 @@ def _padded_rows(docs: list[Tensor], max_len: int) -> Tensor:
     return rows
 
 
-def _progress(iterable, total: int, desc: str):
-    """``iterable`` with a tqdm bar on a terminal when tqdm is installed, else as it is."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, leave=False, disable=None, file=sys.stderr)
+def _progress(iterable, total: int, desc: str, every: float = 2.0):
+    """``iterable`` with a tqdm bar on a terminal when tqdm is installed; otherwise (no tqdm, or
+    output to a file or pipe) a plain ``desc: i/total (s)`` line at most every ``every`` seconds,
+    so no wait passes in silence."""
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            return tqdm(iterable, total=total, desc=desc, leave=False, file=sys.stderr)
+    return _plain_progress(iterable, total, desc, every)
+
+
+def _plain_progress(iterable, total: int, desc: str, every: float):
+    start = last = time.monotonic()  # not perf_counter, which times the work itself
+    for i, item in enumerate(iterable):
+        now = time.monotonic()
+        if now - last >= every:
+            print(f"  {desc}: {i}/{total} ({now - start:.0f} s)", flush=True)
+            last = now
+        yield item
 
 
 @dataclass(frozen=True)
@@ -102,18 +117,20 @@ def _time_forwards(
     with torch.no_grad():
         for batches in layouts.values():
             model(**batches[0])
-        for r in _progress(range(repeats), repeats, "timing"):
-            spent = dict.fromkeys(names, 0.0)
-            for c in range(chunks):
-                for name in names if (r + c) % 2 == 0 else names[::-1]:
-                    batches = layouts[name]
-                    part = batches[c * len(batches) // chunks : (c + 1) * len(batches) // chunks]
-                    start = time.perf_counter()
-                    for kwargs in part:
-                        model(**kwargs)
-                    spent[name] += time.perf_counter() - start
-            for name in names:
-                totals[name].append(spent[name])
+        steps = [(r, c) for r in range(repeats) for c in range(chunks)]
+        spent = dict.fromkeys(names, 0.0)
+        for r, c in _progress(steps, len(steps), "timing (repeat x chunk)"):
+            for name in names if (r + c) % 2 == 0 else names[::-1]:
+                batches = layouts[name]
+                part = batches[c * len(batches) // chunks : (c + 1) * len(batches) // chunks]
+                start = time.perf_counter()
+                for kwargs in part:
+                    model(**kwargs)
+                spent[name] += time.perf_counter() - start
+            if c == chunks - 1:  # a repeat is complete
+                for name in names:
+                    totals[name].append(spent[name])
+                spent = dict.fromkeys(names, 0.0)
     ratios = [a / b for a, b in zip(totals[names[0]], totals[names[-1]], strict=True)]
     return _Speed({k: statistics.median(v) for k, v in totals.items()}, statistics.median(ratios))
 
@@ -236,6 +253,9 @@ def main(
         )
 
     # -- packing -------------------------------------------------------------------------------
+    print(
+        "loading the compiled packer (the first run after an install compiles it) ...", flush=True
+    )
     t0 = time.perf_counter()
     flexpack.pack([1], max_len)  # loads (on a fresh install: compiles, then caches) the packer
     t1 = time.perf_counter()

@@ -38,3 +38,22 @@ def test_dir_lists_the_public_names_not_the_helpers():
         assert name in names, name
     assert "__version__" in names
     assert not [n for n in names if n.startswith("_") and not n.startswith("__")]
+
+
+def test_demo_waits_report_progress_without_a_terminal(capsys):
+    """Piped to a file (or without tqdm), the demo's long loops still print where they are."""
+    import flexpack.demo as demo
+
+    assert list(demo._progress(range(3), 3, "checking", every=0.0)) == [0, 1, 2]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"  checking: {i}/3 (0 s)" for i in range(3)]
+
+
+def test_demo_says_what_it_loads(tmp_path, capsys):
+    import flexpack.demo as demo
+
+    small = dict(max_len=256, num_docs=10, n_layer=1, n_embd=32, batch_rows=4, repeats=1)
+    assert demo.main(out=str(tmp_path), **small) == 0
+    out = capsys.readouterr().out
+    assert "loading the compiled packer" in out
+    assert out.index("loading the compiled packer") < out.index("packed and materialized")
