@@ -323,10 +323,6 @@ def _check_devices(func, args, kwargs) -> bool:
     flat, _ = tree_flatten((args, kwargs))
     fakes = any(isinstance(x, FakeCudaTensor) for x in flat)
     makes = _is_cuda(kwargs.get("device"))
-    if not (fakes or makes) and "device" in kwargs and _in_backward() and active() is not None:
-        # A backward formula's temporary (``at::zeros(..., grad.options())``): the device of
-        # the options is the CPU underneath a fake gradient, so it is made on the fake device.
-        makes = True
     if not (fakes or makes):
         return False
     if func in _COPIES:
@@ -341,7 +337,8 @@ def _check_devices(func, args, kwargs) -> bool:
                     _record(f"{func.__name__} with CPU indices (pageable host->device copy)")
     if _in_backward():
         # Backward formulas make their temporaries from ``grad.options()``, whose device is
-        # the CPU underneath: on a GPU they would be on the GPU. Taken as fake tensors.
+        # the CPU underneath a fake gradient (on a GPU they would be on the GPU): a CPU tensor
+        # next to a fake one in a backward is such a temporary, and the result is fake.
         return True
     for x in flat:
         if not isinstance(x, Tensor) or isinstance(x, FakeCudaTensor) or id(x) in allowed:

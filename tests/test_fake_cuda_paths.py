@@ -393,3 +393,61 @@ def test_fake_tensor_type_is_what_the_recorders_see(fake_cuda):
     x = torch.zeros(2, device="cuda")
     assert isinstance(x, FakeCudaTensor)
     assert F.pad(x, (0, 2)).device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- bench/gpu.py
+
+
+def _gpu_bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("flexpack_bench_gpu_fake", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bench_correctness_passes_on_cuda(fake_cuda, kernels):
+    # The GPU benchmark's correctness section, on the device it is written for (kernels
+    # recorded): every path it checks reaches its kernel with what the kernel takes.
+    gpu = _gpu_bench()
+    checks = gpu.correctness(torch.device("cuda"), S=150, dry_run=False)
+    assert checks.failed == 0, "\n".join(checks.lines)
+    assert len(checks.lines) == 14
+    assert {"flex", "varlen"} <= {c.kernel for c in kernels.calls}
+
+
+def test_gpu_bench_quick_survives_failures_and_its_budget(
+    fake_cuda, kernels, monkeypatch, tmp_path
+):
+    gpu = _gpu_bench()
+    real_timer = gpu.make_timer
+    monkeypatch.setattr(
+        gpu, "make_timer", lambda device, **kw: real_timer(device, min_reps=1, budget_s=0)
+    )
+    real = gpu.flexpack.attention
+
+    def attention(*args, backend="auto", **kw):  # one backend broken: its lines fail, not the run
+        if backend == "sdpa":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(gpu.flexpack, "attention", attention)
+    out = tmp_path / "quick.md"
+    status = gpu.main(["--quick", "--sizes", "128", "256", "--out", str(out)])
+    report = out.read_text()
+    assert status == 1  # a check failed ...
+    assert "FAIL sdpa   bfloat16: RuntimeError: CUDA error" in report
+    assert "| 128 | flexpack flex |" in report and "| 256 | varlen_attn |" in report  # ... timed
+    assert "Skipped (budget): none" in report
+    # A budget too small for everything: steps are skipped and named, the run ends cleanly.
+    monkeypatch.setattr(gpu.flexpack, "attention", real)
+    status = gpu.main(["--quick", "--sizes", "128", "--out", str(out), "--budget", "20"])
+    report = out.read_text()
+    assert "Skipped (budget): " in report and "Skipped (budget): none" not in report
+    assert "skip flex   bfloat16: skipped: budget" in report  # its compile does not fit
+    assert "FAIL" not in report and status == 0
