@@ -451,3 +451,45 @@ def test_gpu_bench_quick_survives_failures_and_its_budget(
     assert "Skipped (budget): " in report and "Skipped (budget): none" not in report
     assert "skip flex   bfloat16: skipped: budget" in report  # its compile does not fit
     assert "FAIL" not in report and status == 0
+
+
+# ----------------------------------------------------------------------------- integrations
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_transformers_on_cuda_syncs_at_most_once_per_forward(fake_cuda, kernels, model_type):
+    # Llama (D=64 bf16: varlen) and Gemma 2 (softcap and sliding windows: flex) on packed rows.
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    common = dict(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation=register(),
+    )  # fmt: skip
+    if model_type == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Gemma2Config(
+            **common, head_dim=64, sliding_window=32, attn_logit_softcapping=50.0
+        )
+        model_cls = transformers.Gemma2ForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (60, 90, 40, 70, 30)]
+    batch = flexpack.pack_sequences(docs, max_len=160)
+    with torch.no_grad():
+        want = model(**packed_forward_kwargs(batch)).logits
+    model.to("cuda")
+    kwargs = packed_forward_kwargs(batch)
+    kwargs = {k: fake_cuda.to(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with torch.no_grad(), fake_cuda.count() as syncs:
+        got = model(**kwargs).logits
+    assert len(syncs) <= 1, syncs
+    kinds = {c.kernel for c in kernels.calls}
+    assert kinds == ({"varlen"} if model_type == "llama" else {"flex"})
+    # Per layer nothing: every kernel call after the first found the sync count unchanged.
+    assert len({c.syncs_before for c in kernels.calls}) == 1
+    torch.testing.assert_close(to_cpu(got).float(), want.float(), atol=6e-2, rtol=6e-2)
