@@ -29,9 +29,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack.integrations import multimodal
+from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
+
 NAME = "flexpack"
 
-__all__ = ["NAME", "flexpack_attention_forward", "packed_forward_kwargs", "register"]
+__all__ = [
+    "NAME",
+    "collate_multimodal",
+    "flexpack_attention_forward",
+    "pack_multimodal",
+    "packed_forward_kwargs",
+    "register",
+]
 
 # Every layer of a forward receives the same doc_ids/position_ids tensors, so the document ids are
 # derived for the first layer and reused by the others (and by the next forward on the same
@@ -180,6 +190,11 @@ def flexpack_attention_forward(
     """
     from flexpack.attention import attention
 
+    if multimodal._vision_call(module, query, kwargs):  # a vision tower's own per-image blocks
+        return multimodal._vision_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+            kwargs=kwargs,
+        )  # fmt: skip
     B, Hq, S, _ = query.shape
     if key.shape[2] != S:
         raise ValueError(
@@ -202,6 +217,10 @@ def flexpack_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     mask = kwargs.get("flexpack_mask")  # a prebuilt mask (e.g. a TreeBatch's) wins
+    if mask is None and kwargs.get("image_span_ids") is not None:  # Gemma 3 pack_multimodal rows
+        mask = multimodal._image_span_mask(
+            query.device, B, S, attention_mask, kwargs, bool(is_causal)
+        )
     if mask is None:
         mask = _mask_for(
             query.device,
