@@ -563,7 +563,8 @@ def collate_multimodal(
     as a ``Trainer``'s ``data_collator``.
 
     Args:
-        rows: row dicts of one :func:`pack_multimodal` call (same ``max_len``).
+        rows: row dicts of one :func:`pack_multimodal` call (same ``max_len``), as tensors or
+            as the lists a ``datasets.Dataset`` of them returns (None for absent images).
         sample_ids: keep ``sample_ids`` (B, S) in the batch (default: left out, as the model
             call needs).
 
@@ -585,6 +586,8 @@ def collate_multimodal(
     """
     if not rows:
         raise ValueError("collate_multimodal got no rows; pass a non-empty list of row dicts.")
+    # Rows read back from a datasets.Dataset come as lists, with None for a row's absent images.
+    rows = [{k: _as_tensor(k, v) for k, v in r.items() if v is not None} for r in rows]
     first = rows[0]
     S = first["input_ids"].shape[-1]
     token_keys = [k for k in _TOKEN_KEYS if k in first and (sample_ids or k != "sample_ids")]
@@ -603,6 +606,13 @@ def collate_multimodal(
         if k not in _TOKEN_KEYS and k != "position_ids":
             batch[k] = torch.cat([r[k] for r in rows if k in r])
     return batch
+
+
+def _as_tensor(key: str, value: Any) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    t = torch.as_tensor(value)
+    return t.to(torch.int32) if key in ("doc_ids", "image_span_ids") else t
 
 
 # ----------------------------------------------------------------------------- attention
