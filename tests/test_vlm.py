@@ -420,6 +420,13 @@ def test_rows_hold_whole_images_their_pixels_and_every_token_accounted(
             ]  # fmt: skip
             kept.setdefault(int(owner[at[0]]), []).append(ids[at])
         assert runs == (grids.prod(-1) // 4).tolist()  # images in row order, none cut
+    if rows:  # collate_multimodal: rows stacked, images concatenated in row order
+        batch = collate_multimodal(rows, sample_ids=True)
+        for key, value in batch.items():
+            parts = [r[key] for r in rows if key in r]
+            dim = 1 if key == "position_ids" else 0
+            assert torch.equal(value, torch.cat(parts, dim=dim)), key
+        assert set(batch) == {k for r in rows for k in r}
     for i, s in enumerate(samples):
         ids = s["input_ids"][0]
         got = torch.cat(kept[i]) if i in kept else ids[:0]

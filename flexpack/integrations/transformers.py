@@ -170,7 +170,9 @@ def flexpack_attention_forward(
             ``position_ids`` (B or 1, S) int, ``is_causal``, ``sliding_window``, ``softcap``
             (attention-logit soft-capping, Gemma 2), and ``flexpack_mask``: a prebuilt flexpack
             Mask or BlockMask used as is by every layer (e.g. ``flexpack.pack_trees(...).mask()
-            .block_mask()``, with the batch's ``position_ids``).
+            .block_mask()``, with the batch's ``position_ids``), and ``image_span_ids`` (B, S)
+            (Gemma 3 rows of ``pack_multimodal``: one image's tokens attend both ways). Calls
+            from a vision tower (module with a vision config) run as transformers' ``sdpa``.
 
     Returns:
         ``(attn_output, None)``, attn_output (B, S, Hq, D) as transformers expects.
