@@ -387,6 +387,19 @@ def vlm_samples(draw):
     return out
 
 
+def split(ids: torch.Tensor, max_len: int) -> list[tuple[int, ...]]:
+    """Reference cuts: max_len tokens, moved back while they would fall between two image
+    tokens (images sit between their start and end markers, so that is inside an image)."""
+    out, start, L = [], 0, len(ids)
+    while start < L:
+        c = min(start + max_len, L)
+        while c < L and ids[c - 1] == IMAGE and ids[c] == IMAGE:
+            c -= 1
+        out.append(tuple(ids[start:c].tolist()))
+        start = c
+    return out
+
+
 @given(
     samples=vlm_samples(),
     max_len=st.integers(12, 40),
@@ -430,8 +443,10 @@ def test_rows_hold_whole_images_their_pixels_and_every_token_accounted(
     for i, s in enumerate(samples):
         ids = s["input_ids"][0]
         got = torch.cat(kept[i]) if i in kept else ids[:0]
-        if len(ids) <= max_len or overflow == "split":
+        if len(ids) <= max_len:
             assert torch.equal(got, ids)
+        elif overflow == "split":  # the pieces (rows shuffled) are the reference's cuts
+            assert sorted(tuple(p.tolist()) for p in kept[i]) == sorted(split(ids, max_len))
         elif overflow == "truncate":
             assert torch.equal(got, ids[: len(got)]) and len(got) <= max_len
             assert len(got) == len(ids) or ids[len(got)] != IMAGE or ids[len(got) - 1] != IMAGE
