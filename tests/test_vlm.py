@@ -352,6 +352,11 @@ def test_bad_inputs_say_what_was_expected():
         pack_multimodal([bad], 32, model=model)
     with pytest.raises(ValueError, match="no 'pixel_values'"):
         pack_multimodal([{k: v for k, v in s.items() if k != "pixel_values"}], 32, model=model)
+    with pytest.raises(ValueError, match=r"keys \['image_sizes'\].*would be lost"):
+        pack_multimodal([dict(s, image_sizes=[[8, 8]])], 32, model=model)
+    padded = dict(s, attention_mask=torch.tensor([[1] * 7 + [0]]))
+    with pytest.raises(ValueError, match="has padding"):
+        pack_multimodal([padded], 32, model=model)
     with pytest.raises(TypeError, match="with 'input_ids'"):
         pack_multimodal([{"text": "hi"}], 32, model=model)
     with pytest.raises(ValueError, match="model_type='llama'"):

@@ -26,9 +26,6 @@ from flexpack.integrations.transformers import collate_multimodal  # noqa: E402
 
 PAGE = Path(__file__).parents[1] / "docs" / "vlm.md"
 FP32 = 1e-5
-# Adam divides each step by sqrt(v): on weights whose gradients are near zero (the vision tower's
-# deepest ones) fp32 rounding of the gradient moves the weight by up to lr * 1e-2 over 10 steps.
-WEIGHTS = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +71,11 @@ def curve(trainer) -> list[float]:
 
 
 def max_param_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
-    pairs = zip(a.parameters(), b.parameters(), strict=True)
-    return max((p - q).abs().max().item() for p, q in pairs)
+    """Over every weight but SigLIP's key biases: softmax is invariant to them, their gradient is
+    0 in exact arithmetic, and Adam scales the fp32 rounding left in it up to lr-sized steps
+    (measured: 4.6e-5 on a bias of 4.1e-5; every other weight within 2e-7)."""
+    pairs = zip(a.named_parameters(), b.named_parameters(), strict=True)
+    return max((p - q).abs().max().item() for (n, p), (_, q) in pairs if "k_proj.bias" not in n)
 
 
 def test_trainer_recipe_trains_exactly_as_each_sample_alone(page):
@@ -94,7 +94,7 @@ def test_trainer_recipe_trains_exactly_as_each_sample_alone(page):
     got, want = curve(trainer), curve(reference)
     assert len(got) == 10
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < FP32
-    assert max_param_diff(trainer.model, reference.model) < WEIGHTS
+    assert max_param_diff(trainer.model, reference.model) < FP32
 
 
 def test_sft_recipe_trains_exactly_as_each_sample_alone(page):
@@ -113,4 +113,4 @@ def test_sft_recipe_trains_exactly_as_each_sample_alone(page):
     got, want = curve(sft), curve(reference)
     assert len(got) == 10
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < FP32
-    assert max_param_diff(sft.model, reference.model) < WEIGHTS
+    assert max_param_diff(sft.model, reference.model) < FP32

@@ -194,8 +194,23 @@ def _parse(sample: Any, i: int, family: _Family) -> _Sample:
             f"samples[{i}] must be a dict of what the processor returns for one sample, with "
             f"'input_ids'; got {got}."
         )
+    known = {"input_ids", "labels", "attention_mask", family.type_key}
+    known |= {k for v in family.visuals for k in (v.pixel_key, *v.item_keys)}
+    unknown = sorted(set(sample) - known)
+    if unknown:
+        raise ValueError(
+            f"samples[{i}] has keys {unknown} that pack_multimodal does not know for "
+            f"{family.name} (it knows {sorted(known)}); they would be lost. Drop them from the "
+            "sample, or pack them yourself."
+        )
     ids = _tokens(sample["input_ids"], f"samples[{i}]['input_ids']")
     L = ids.shape[0]
+    mask = sample.get("attention_mask")
+    if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
+        raise ValueError(
+            f"samples[{i}] has padding (attention_mask has zeros): pass one unpadded sample per "
+            "dict (the processor called on one sample, padding=False)."
+        )
     types = sample.get(family.type_key)
     if types is None:  # text-only samples, or a processor that left them out: from the ids
         types = torch.zeros(L, dtype=torch.int64)
@@ -602,8 +617,9 @@ def collate_multimodal(
     if "position_ids" in first:
         dim = 1 if first["position_ids"].dim() == 3 else 0
         batch["position_ids"] = torch.cat([r["position_ids"] for r in rows], dim=dim)
-    for k in first.keys() | {k for r in rows for k in r}:
-        if k not in _TOKEN_KEYS and k != "position_ids":
+    images = dict.fromkeys(k for r in rows for k in r if k not in _TOKEN_KEYS)  # ordered
+    for k in images:
+        if k != "position_ids":
             batch[k] = torch.cat([r[k] for r in rows if k in r])
     return batch
 
