@@ -457,3 +457,22 @@ def test_rows_hold_whole_images_their_pixels_and_every_token_accounted(
             assert len(got) == len(ids) or ids[len(got)] != IMAGE or ids[len(got) - 1] != IMAGE
         else:
             assert got.numel() == 0
+
+
+def test_packed_qwen_rows_under_bf16_autocast_stay_within_bf16_noise_of_each_sample_alone():
+    model, reference = tiny_qwen(register()), tiny_qwen("sdpa")
+    samples = qwen_samples(seed=3)
+    batch = collate_multimodal(pack_multimodal(samples, 48, model=model), sample_ids=True)
+    sample_ids = batch.pop("sample_ids")
+    naive = {k: v for k, v in batch.items() if k != "doc_ids"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        packed, leaky = model(**batch).logits, reference(**naive).logits
+        want = [alone(reference, s).float() for s in samples]
+    assert packed.dtype == torch.bfloat16
+    err = max(
+        (per_sample(packed, sample_ids, i).float() - w).abs().max() for i, w in enumerate(want)
+    )
+    leak = max(
+        (per_sample(leaky, sample_ids, i).float() - w).abs().max() for i, w in enumerate(want)
+    )
+    assert err < 0.05 < leak
