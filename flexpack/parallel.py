@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Literal
 
 import numpy as np
@@ -671,7 +670,7 @@ def shard_block_mask(shard: ContextShard, *, causal: bool = True, block_size: in
     from flexpack import block_mask as bm
 
     q_doc, q_pos, k_doc = shard.doc_ids, shard.index, shard.row_doc_ids
-    B, S = k_doc.shape
+    S = k_doc.shape[1]
     S_l = q_doc.shape[1]
     qs, ks = bm._BlockStats(q_doc, block_size), bm._BlockStats(k_doc, block_size)
     lo_q, hi_q = qs.lo.long()[:, :, None], qs.hi.long()[:, :, None]
