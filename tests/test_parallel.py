@@ -267,3 +267,21 @@ def test_bad_attention_input_says_what_and_how() -> None:
         context_parallel_attention(q, q, q, d)
     with pytest.raises(ValueError, match="tokens at dim 1"):
         one.take(torch.zeros(1, 5))
+
+
+def test_flex_kernel_inputs_give_the_rows_attention() -> None:
+    """What the CUDA path hands flex_attention (q in shard order, k and v in row order, the
+    (S_l, S) BlockMask of 128-token blocks), run by eager flex_attention on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    lengths = torch.tensor([200, 37, 300, 90, 140, 257])  # 1024 tokens
+    d = torch.repeat_interleave(torch.arange(6), lengths)[None].clone()
+    d[0, -40:] = -1  # padding at the end
+    q, k, v = (x.detach() for x in _qkv(1, 2, 2, 1024, 16, torch.float32))
+    ref = flexpack.attention(q, k, v, _mask(d))
+    for r in range(2):
+        s = shard_context(d, 2, r)
+        bm = shard_block_mask(s, block_size=128)
+        with torch.no_grad():
+            out = flex_attention(s.take(q, dim=2), k, v, block_mask=bm)
+        torch.testing.assert_close(out, s.take(ref, dim=2), atol=1e-5, rtol=0)
