@@ -214,6 +214,28 @@ def _cp_times(world: int, balance: str) -> dict:
         return json.loads(Path(out).read_text())
 
 
+def _slowest_local(world: int, balance: str) -> float:
+    """Largest per-rank time of the local attention alone (k, v given whole: no collective),
+    forward + backward, run one rank after the other in this process."""
+    from flexpack.parallel import _local_attention
+
+    d = _wall_ids()
+    q, k, v = (x.requires_grad_() for x in _qkv(WALL_S))
+    worst = 0.0
+    for rank in range(world):
+        shard = shard_context(d, world, rank, balance=balance)
+        ql = shard.take(q.detach(), dim=2).requires_grad_()
+        times = []
+        for _ in range(REPEATS + 1):
+            t = time.perf_counter()
+            out = _local_attention(ql, k, v, shard, mask="document_causal", scale=None,
+                                   enable_gqa=False, softcap=None)  # fmt: skip
+            out.sum().backward()
+            times.append(time.perf_counter() - t)
+        worst = max(worst, statistics.median(times[1:]))
+    return worst
+
+
 def wall_table() -> list[str]:
     torch.set_num_threads(1)  # one core per process everywhere, the ranks' too
     one = statistics.median(_single_process())
@@ -221,14 +243,18 @@ def wall_table() -> list[str]:
         f"One process, flexpack.attention on the whole row (1 thread): {one * 1e3:.0f} ms per "
         "forward + backward.",
         "",
-        "| world | balance | work max / mean | CP step time / one process |",
-        "|---|---|---|---|",
+        "| world | balance | work max / mean | CP step (gloo, W processes) / one process | "
+        "slowest rank's local attention (no collective) / one process |",
+        "|---|---|---|---|---|",
     ]
     for world in (2, 4):
         for balance in ("contiguous", "work"):
             res = _cp_times(world, balance)
             ratio = statistics.median(res["times"]) / one
-            lines.append(f"| {world} | {balance} | {res['imbalance']:.2f} | {ratio:.2f} |")
+            local = _slowest_local(world, balance) / statistics.median(_single_process())
+            lines.append(
+                f"| {world} | {balance} | {res['imbalance']:.2f} | {ratio:.2f} | {local:.2f} |"
+            )
             print(lines[-1], flush=True)
     return lines
 
@@ -297,7 +323,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", type=Path, help="write the report (markdown) here")
     parser.add_argument("--quick", action="store_true", help="fewer rows, 32K only, no wall time")
+    parser.add_argument("--wall-only", action="store_true", help="only the CPU wall times")
     args = parser.parse_args()
+    if args.wall_only:
+        print("\n".join(wall_table()))
+        return
     head = [
         f"`python bench/context_parallel.py{' --quick' if args.quick else ''}`, "
         f"{datetime.date.today()}, {describe()}, torch {torch.__version__}.",

@@ -478,9 +478,10 @@ def _token_work_rows(d: np.ndarray, positions: np.ndarray) -> int:
 def _group_size_rank(group: Any, shard: ContextShard) -> tuple[int, int] | None:
     """(size, rank) of the group, checked against the shard; None for a single process."""
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        if group is None and shard.world_size == 1:
-            return None
+    initialized = dist.is_available() and dist.is_initialized()
+    if shard.world_size == 1 and (group is None or not initialized):
+        return None  # one rank holds the whole row: nothing to gather, whatever runs around it
+    if not initialized:
         raise ValueError(
             f"the shard is rank {shard.rank} of {shard.world_size} but torch.distributed is not "
             "initialized; call torch.distributed.init_process_group first (or build the shard "
@@ -777,8 +778,8 @@ def context_parallel_attention(
         q: (B, Hq, S_l, D) this rank's queries, in ``shard.index`` order (``shard.take``).
         k, v: (B, Hkv, S_l, D) this rank's keys and values, same order.
         shard: this rank's :class:`ContextShard` (from :func:`shard_context`).
-        group: the context-parallel process group (default: the whole world). With
-            ``world_size == 1`` shards no process group is needed.
+        group: the context-parallel process group (default: the whole world). A shard of
+            ``world_size == 1`` (the whole row) gathers nothing and needs no process group.
         mask: "document_causal" (default) or "document".
         scale: softmax scale; default ``1 / sqrt(D)``.
         enable_gqa: allow Hkv < Hq (grouped-query attention; k and v are gathered at Hkv).
