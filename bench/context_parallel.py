@@ -18,7 +18,10 @@ a CP step costs on CPU, and data-parallel balance by compute instead of tokens.
    - torch per-doc head-tail: ``_PerDocumentHeadTailLoadBalancer``, which asserts that every
      document length is a multiple of 2W. It runs on a variant of each row whose lengths are
      rounded to multiples of 2W (the last document absorbs the rest); flexpack on the same
-     variant rows sits beside it.
+     variant rows sits beside it. Two columns: the split ``_context_parallel_shard`` makes of
+     its indices (rank r takes the r-th contiguous S/W; torch 2.13 lists the indices document
+     by document, so rank 0 gets the first documents whole), and the rank-major regrouping its
+     docstring draws (each rank a head and a tail chunk of every document).
 
 2. Wall time of one CP forward + backward of attention (float32, B=1, H=4, D=64, S=4096) on CPU,
    gloo, world 2 and 4 (one process per rank on this machine's cores), vs one process running
@@ -107,9 +110,22 @@ def torch_orders(ids: np.ndarray, world: int) -> dict[str, np.ndarray | None]:
     lengths = counts[np.argsort(np.unique(ids, return_index=True)[1])].tolist()
     try:
         per_doc = _PerDocumentHeadTailLoadBalancer([lengths], world, "cpu")._generate_indices()
-        out["torch per-doc head-tail"] = per_doc[0].numpy()
+        per_doc = per_doc[0].numpy()
     except AssertionError:  # a length that is not a multiple of 2W
-        out["torch per-doc head-tail"] = None
+        out["torch per-doc head-tail"] = out["torch per-doc, as documented"] = None
+        return out
+    # What _context_parallel_shard does with it: rank r takes the r-th contiguous S/W of the
+    # order, which torch 2.13 lists document by document ([doc 0: rank 0's head and tail,
+    # rank 1's, ...], then doc 1), so rank 0 gets the first documents whole.
+    out["torch per-doc head-tail"] = per_doc
+    # Its docstring's intent: every rank takes its head and tail chunk of every document.
+    pieces, start = [[] for _ in range(world)], 0
+    for n in lengths:
+        chunk = n // (2 * world)
+        for r in range(world):
+            pieces[r].append(per_doc[start + 2 * r * chunk : start + 2 * (r + 1) * chunk])
+        start += n
+    out["torch per-doc, as documented"] = np.concatenate([np.concatenate(p) for p in pieces])
     return out
 
 
@@ -121,8 +137,9 @@ def flexpack_order(ids: np.ndarray, world: int, balance: str = "work") -> np.nda
 def imbalance_table(sizes, medians, worlds, rows: int) -> list[str]:
     lines = [
         "| S | median | W | contiguous | torch head-tail | torch PTRR | flexpack | "
-        "torch per-doc head-tail (lengths % 2W == 0) | flexpack (same rows) | flexpack plan time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "torch per-doc head-tail (lengths % 2W == 0), as torch shards it | the same, rank-major "
+        "as its docstring shows | flexpack (same rows) | flexpack plan time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for S in sizes:
         for median in medians:
@@ -139,10 +156,13 @@ def imbalance_table(sizes, medians, worlds, rows: int) -> list[str]:
                     orders = {"contiguous": np.arange(S), **torch_orders(ids, world)}
                     orders["flexpack"] = fp
                     for name, order in orders.items():
-                        if name != "torch per-doc head-tail":
+                        if not name.startswith("torch per-doc"):
                             cols.setdefault(name, []).append(imbalance_of(ids, order, world))
-                    per_doc = torch_orders(even, world)["torch per-doc head-tail"]
-                    cols.setdefault("per-doc", []).append(imbalance_of(even, per_doc, world))
+                    even_orders = torch_orders(even, world)
+                    for name, key in (("per-doc", "torch per-doc head-tail"),
+                                      ("per-doc-doc", "torch per-doc, as documented")):  # fmt: skip
+                        order = even_orders[key]
+                        cols.setdefault(name, []).append(imbalance_of(even, order, world))
                     cols.setdefault("fp-even", []).append(
                         imbalance_of(even, flexpack_order(even, world), world)
                     )
@@ -150,7 +170,8 @@ def imbalance_table(sizes, medians, worlds, rows: int) -> list[str]:
                 lines.append(
                     f"| {S // 1024}K | {median} | {world} | {m['contiguous']:.3f} | "
                     f"{m['torch head-tail']:.3f} | {m['torch PTRR']:.3f} | "
-                    f"**{m['flexpack']:.3f}** | {m['per-doc']:.3f} | {m['fp-even']:.3f} | "
+                    f"**{m['flexpack']:.3f}** | {m['per-doc']:.3f} | {m['per-doc-doc']:.3f} | "
+                    f"{m['fp-even']:.3f} | "
                     f"{statistics.median(plan_time) * 1e3:.0f} ms |"
                 )
                 print(lines[-1], flush=True)
@@ -216,24 +237,29 @@ def _cp_times(world: int, balance: str) -> dict:
 
 def _slowest_local(world: int, balance: str) -> float:
     """Largest per-rank time of the local attention alone (k, v given whole: no collective),
-    forward + backward, run one rank after the other in this process."""
+    forward + backward, over the one-process time; the ranks run one after the other in this
+    process, interleaved with the one-process call, medians of the repeats."""
     from flexpack.parallel import _local_attention
 
     d = _wall_ids()
+    mask = flexpack.masks.document(d) & flexpack.masks.causal()
     q, k, v = (x.requires_grad_() for x in _qkv(WALL_S))
-    worst = 0.0
-    for rank in range(world):
-        shard = shard_context(d, world, rank, balance=balance)
-        ql = shard.take(q.detach(), dim=2).requires_grad_()
-        times = []
-        for _ in range(REPEATS + 1):
+    shards = [shard_context(d, world, r, balance=balance) for r in range(world)]
+    local_q = [s.take(q.detach(), dim=2).requires_grad_() for s in shards]
+    calls = [lambda: flexpack.attention(q, k, v, mask)] + [
+        (lambda s=s, ql=ql: _local_attention(ql, k, v, s, mask="document_causal", scale=None,
+                                             enable_gqa=False, softcap=None))
+        for s, ql in zip(shards, local_q, strict=True)
+    ]  # fmt: skip
+    times: list[list[float]] = [[] for _ in calls]
+    for repeat in range(REPEATS + 1):
+        for i, call in enumerate(calls):
             t = time.perf_counter()
-            out = _local_attention(ql, k, v, shard, mask="document_causal", scale=None,
-                                   enable_gqa=False, softcap=None)  # fmt: skip
-            out.sum().backward()
-            times.append(time.perf_counter() - t)
-        worst = max(worst, statistics.median(times[1:]))
-    return worst
+            call().sum().backward()
+            if repeat:
+                times[i].append(time.perf_counter() - t)
+    one, *ranks = (statistics.median(t) for t in times)
+    return max(ranks) / one
 
 
 def wall_table() -> list[str]:
@@ -251,7 +277,7 @@ def wall_table() -> list[str]:
         for balance in ("contiguous", "work"):
             res = _cp_times(world, balance)
             ratio = statistics.median(res["times"]) / one
-            local = _slowest_local(world, balance) / statistics.median(_single_process())
+            local = _slowest_local(world, balance)
             lines.append(
                 f"| {world} | {balance} | {res['imbalance']:.2f} | {ratio:.2f} | {local:.2f} |"
             )
@@ -324,6 +350,7 @@ def main() -> None:
     parser.add_argument("--write", type=Path, help="write the report (markdown) here")
     parser.add_argument("--quick", action="store_true", help="fewer rows, 32K only, no wall time")
     parser.add_argument("--wall-only", action="store_true", help="only the CPU wall times")
+    parser.add_argument("--no-wall", action="store_true", help="skip the CPU wall times")
     args = parser.parse_args()
     if args.wall_only:
         print("\n".join(wall_table()))
@@ -338,7 +365,7 @@ def main() -> None:
     lines += imbalance_table(sizes, (300, 1000, 3000, 8000), (2, 4, 8), 1 if args.quick else 4)
     lines += ["", "### Data-parallel balance by compute", ""]
     lines += dp_table(4, 2 if args.quick else 8)
-    if not args.quick:
+    if not (args.quick or args.no_wall):
         lines += ["", "### CP forward + backward on CPU (gloo), relative to one process", ""]
         lines += wall_table()
     if args.write:
