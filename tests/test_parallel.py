@@ -285,3 +285,37 @@ def test_flex_kernel_inputs_give_the_rows_attention() -> None:
         with torch.no_grad():
             out = flex_attention(s.take(q, dim=2), k, v, block_mask=bm)
         torch.testing.assert_close(out, s.take(ref, dim=2), atol=1e-5, rtol=0)
+
+
+class _OneRankMesh:
+    """What torch's _create_cp_block_mask reads of a DeviceMesh: rank, size, device type."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world, self.device_type = rank, world, "cpu"
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.world
+
+
+@pytest.mark.compile
+def test_torch_flex_cp_block_mask_takes_the_shards_balancer() -> None:
+    """torch's flex CP builds each rank's BlockMask through the balancer's indices (it compiles
+    create_block_mask): with the shard's, its mask is the document-causal mask of this rank's
+    queries against the keys in all-gather order."""
+    from torch.distributed.tensor.experimental._context_parallel._attention import (
+        _create_cp_block_mask,
+    )
+
+    d = torch.repeat_interleave(torch.arange(5), torch.tensor([100, 300, 37, 50, 25]))[None]
+    mask = _mask(d)
+    dense = _dense(d)
+    for r in range(2):
+        s = shard_context(d, 2, r)
+        bm = _create_cp_block_mask(
+            mask.mask_mod, 1, 1, 512, 512, _OneRankMesh(r, 2), load_balancer=s.load_balancer()
+        )
+        got = dense_mask(bm, 1, 1, 256, 512)[:, 0]
+        assert torch.equal(got, dense[:, s.index[0]][:, :, s.gathered_index[0]])
