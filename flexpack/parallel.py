@@ -450,22 +450,42 @@ def shard_context(
     rows = np.arange(B)[:, None]
     work = _token_work_rows(d, mine)
 
-    def t(a: np.ndarray) -> Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a)).to(device)
-
+    parts = [
+        mine,
+        np.where(d[rows, mine] >= 0, d[rows, mine], -1),
+        plan.position_ids[rows, mine],
+        plan.gathered,
+        np.where(d >= 0, d, -1),
+    ]
+    index, shard_ids, position_ids, gathered, row_ids = _to_device(parts, device)
     return ContextShard(
-        index=t(mine),
-        doc_ids=t(np.where(d[rows, mine] >= 0, d[rows, mine], -1)),
-        position_ids=t(plan.position_ids[rows, mine]),
+        index=index,
+        doc_ids=shard_ids,
+        position_ids=position_ids,
         work=work,
         rank=rank,
         world_size=world_size,
         balance=balance,
         rank_work=plan.rank_work,
-        gathered_index=t(plan.gathered),
-        row_doc_ids=t(np.where(d >= 0, d, -1)),
+        gathered_index=gathered,
+        row_doc_ids=row_ids,
         block_size=block_size,
     )
+
+
+def _to_device(parts: list[np.ndarray], device: torch.device) -> list[Tensor]:
+    """int64 arrays as tensors on ``device``: on an accelerator one pinned, non-blocking copy
+    of them all (no host sync), then views."""
+    flat = torch.from_numpy(np.concatenate([a.reshape(-1) for a in parts]).astype(np.int64))
+    if device.type != "cpu":
+        if torch.cuda.is_available():
+            flat = flat.pin_memory()
+        flat = flat.to(device, non_blocking=True)
+    out, start = [], 0
+    for a in parts:
+        out.append(flat[start : start + a.size].view(a.shape))
+        start += a.size
+    return out
 
 
 def _token_work_rows(d: np.ndarray, positions: np.ndarray) -> int:
