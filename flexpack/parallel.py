@@ -735,8 +735,13 @@ def _local_attention(
     softcap: float | None,
 ) -> Tensor:
     """q (B, Hq, S_l, D) in shard order against k, v (B, Hkv, S, D) in row order."""
+    from flexpack.attention import _FLEX_CUDA_MAX_HEAD_DIM
+
     causal = mask == "document_causal"
-    if q.device.type == "cuda":
+    # flex on CUDA has no float64 kernel and no head dims above 256: those take SDPA, as in
+    # flexpack.attention.
+    flex_ok = q.dtype != torch.float64 and q.shape[-1] <= _FLEX_CUDA_MAX_HEAD_DIM
+    if q.device.type == "cuda" and flex_ok:
         from flexpack import _attention_flex
 
         bs = _attention_flex.CUDA_BLOCK_MULTIPLE
@@ -793,8 +798,9 @@ def context_parallel_attention(
     equals ``flexpack.attention`` on the full rows at ``shard.index``, forward and backward.
 
     On CUDA the local attention is compiled flex_attention with an (S_l, S) BlockMask built
-    from the shard's ids (:func:`shard_block_mask`, once per shard); elsewhere one SDPA call per
-    run of a document's queries, with a backward.
+    from the shard's ids (:func:`shard_block_mask`, once per shard); elsewhere (and on CUDA for
+    float64 or head dims above 256, which flex does not take) one SDPA call per run of a
+    document's queries, with a backward.
 
     Args:
         q: (B, Hq, S_l, D) this rank's queries, in ``shard.index`` order (``shard.take``).

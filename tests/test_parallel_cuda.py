@@ -118,3 +118,13 @@ def test_shard_plan_syncs_once_per_batch(fake_cuda):
         shard = shard_context(d, 4, 1)
     assert len(syncs) == 1 and "device->host" in str(syncs[0]), syncs
     assert is_fake_cuda(shard.index) and shard.index.dtype == torch.int64
+
+
+def test_float64_on_cuda_takes_sdpa_not_flex(fake_cuda, recorder):
+    d = _doc_ids()[:, :256].to("cuda")
+    shard = shard_context(d, 2, 0)
+    q = torch.randn(2, 2, 128, 8, dtype=torch.float64).to("cuda")
+    k = v = torch.randn(2, 2, 256, 8, dtype=torch.float64).to("cuda")
+    out = _local_attention(q, k, v, shard, mask="document_causal", scale=None,
+                           enable_gqa=False, softcap=None)  # fmt: skip
+    assert is_fake_cuda(out) and recorder.calls == []
