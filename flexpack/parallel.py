@@ -16,17 +16,13 @@ padding.
 Shape legend: B rows, S tokens per row, W world size (ranks of the context-parallel group),
 S_l = S // W tokens per rank, H heads, D head dimension.
 
-============================  ==============================================================
-name                          what
-============================  ==============================================================
-:func:`shard_context`         this rank's :class:`ContextShard` of a (B, S) ``doc_ids`` batch
-:class:`ContextShard`         positions, ids and work of a rank; ``take`` / ``put`` /
-                              ``gather`` move (B, S, ...) tensors to and from its order;
-                              ``load_balancer()`` for torch's ``context_parallel``
-:func:`context_parallel_      attention of this rank's queries against the whole row's keys,
-attention`                    forward and backward (gradients of keys and values land on
-                              the rank that holds them)
-============================  ==============================================================
+- :func:`shard_context`: this rank's :class:`ContextShard` of a (B, S) ``doc_ids`` batch:
+  positions, ids and work; ``take`` / ``put`` / ``gather`` move (B, S, ...) tensors to and from
+  its order; ``load_balancer()`` hands the plan to torch's experimental context parallelism.
+- :func:`context_parallel_attention`: this rank's queries against the whole row's keys,
+  forward and backward (the gradient of each key and value lands on the rank that holds it).
+- :func:`shard_block_mask`: the (S_l, S) BlockMask of a shard, which the CUDA path runs flex
+  with.
 """
 
 from __future__ import annotations
@@ -322,11 +318,8 @@ class ContextShard:
 
     def _inverse(self, device: torch.device) -> Tensor:
         """(B, S) int64: where each row position sits in all-gather order."""
-        key = str(device)
-        cache = self.__dict__.setdefault("_cache", {})
-        if ("inverse", key) not in cache:
-            cache[("inverse", key)] = torch.argsort(self.gathered_index, dim=1).to(device)
-        return cache[("inverse", key)]
+        build = lambda: torch.argsort(self.gathered_index, dim=1).to(device)
+        return _cached(self, ("inverse", str(device)), build)
 
     def load_balancer(self) -> ShardBalancer:
         """This plan as a load balancer for torch's experimental context parallelism.
