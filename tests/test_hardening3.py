@@ -1,0 +1,71 @@
+"""Red-team regressions (issue 20, first half): each test failed on the code before its fix.
+
+Silent wrong results are pinned against a reference (dense masks, float64 attention, the input
+itself); unclear errors against the message a user needs (what was received, what was expected,
+how to fix it).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flexpack
+from flexpack import masks as fm
+from flexpack.testing.references import dense_mask, reference_attention
+
+
+def _qkv(B: int, S: int, H: int = 2, D: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, S, D, dtype=torch.float64, generator=g) for _ in range(3))
+
+
+# ----------------------------------------------------------------------------- silent results
+
+
+@pytest.mark.parametrize("big", [2**31, 2**32])
+def test_transformers_forward_keeps_int64_doc_ids(big):
+    # _doc_ids cast to int32: 2**32 merged with document 0, 2**31 wrapped negative (padding).
+    from flexpack.integrations.transformers import flexpack_attention_forward
+
+    d = torch.tensor([[0, 0, big, big, big, 0]])
+    q, k, v = _qkv(1, 6)
+    out, _ = flexpack_attention_forward(torch.nn.Module(), q, k, v, None, doc_ids=d)
+    ref = reference_attention(q, k, v, fm.document(d) & fm.causal())
+    torch.testing.assert_close(out.transpose(1, 2), ref)
+
+
+def test_mask_factories_refuse_uint64_doc_ids_past_int64():
+    # uint64 ids >= 2**63 wrapped to negative int64, i.e. padding; PackedLayout refuses them.
+    d = torch.tensor([0, 2**63, 2**63], dtype=torch.uint64)
+    for make in (fm.document, fm.padding, lambda x: fm.tree(x, torch.tensor([-1]))):
+        with pytest.raises(ValueError, match=r"2\*\*63"):
+            make(d)
+    ok = fm.document(torch.tensor([0, 5, 5], dtype=torch.uint64))
+    assert ok.doc_ids.dtype == torch.int64 and ok.doc_ids.tolist() == [[0, 5, 5]]
+
+
+@pytest.mark.parametrize("kind", ["document_causal", "tree"])
+def test_mask_doc_ids_edited_in_place_is_refused_on_every_path(kind):
+    # mask.doc_ids was public and writable: SDPA and the BlockMask tables read the edit while
+    # mask_mod read a snapshot (max diff 2.1). Now an edit is refused wherever the ids are read.
+    d = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    if kind == "tree":
+        m = fm.tree(d, torch.tensor([[-1, 0]]))
+    else:
+        m = fm.document(d) & fm.causal()
+    q, k, v = _qkv(1, 6)
+    before = flexpack.attention(q, k, v, m)
+    torch.testing.assert_close(before, reference_attention(q, k, v, m))
+    m.doc_ids[0, 2] = 1
+    for use in (
+        lambda: flexpack.attention(q, k, v, m),
+        lambda: m.block_mask(block_size=2),
+        lambda: dense_mask(m),
+        lambda: m.doc_ids,
+    ):
+        with pytest.raises(ValueError, match="in place"):
+            use()
+    with pytest.raises(AttributeError):
+        m.doc_ids = d
