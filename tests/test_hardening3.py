@@ -7,7 +7,6 @@ how to fix it).
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
@@ -69,3 +68,27 @@ def test_mask_doc_ids_edited_in_place_is_refused_on_every_path(kind):
             use()
     with pytest.raises(AttributeError):
         m.doc_ids = d
+
+
+@pytest.mark.parametrize("token", [-1, 16])
+def test_gather_logps_names_a_token_outside_the_vocabulary(token):
+    # A negative token silently read vocabulary entry V - 1; a token >= V was a raw IndexError.
+    b = flexpack.pack_trees([([5, 6, 7], [[8, token], [4]])], max_len=8)
+    with pytest.raises(ValueError, match=rf"token {token} .*\[0, 16\)"):
+        b.gather_logps(torch.zeros(1, 8, 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint32, torch.uint64])
+def test_packed_cross_entropy_takes_unsigned_doc_ids(dtype):
+    # uint32/uint64 doc ids were a NotImplementedError ("ge_cpu") from inside torch.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 6, 5, generator=g)
+    labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
+    d = torch.tensor([[0, 0, 0, 7, 7, 7]])
+    for reduction in ("token", "document"):
+        want = flexpack.packed_cross_entropy(logits, labels, d, reduction=reduction)
+        got = flexpack.packed_cross_entropy(logits, labels, d.to(dtype), reduction=reduction)
+        torch.testing.assert_close(got, want)
+    if dtype == torch.uint64:
+        with pytest.raises(ValueError, match=r"2\*\*63"):
+            flexpack.packed_cross_entropy(logits, labels, torch.full((1, 6), 2**63, dtype=dtype))
