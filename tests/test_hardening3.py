@@ -92,3 +92,13 @@ def test_packed_cross_entropy_takes_unsigned_doc_ids(dtype):
     if dtype == torch.uint64:
         with pytest.raises(ValueError, match=r"2\*\*63"):
             flexpack.packed_cross_entropy(logits, labels, torch.full((1, 6), 2**63, dtype=dtype))
+
+
+def test_attention_with_q_in_bshd_says_to_transpose():
+    # q in (B, S, H, D): the message said to rebuild the mask; the mask was right, q was not.
+    d = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    m = fm.document(d) & fm.causal()
+    q, k, v = (x.transpose(1, 2) for x in _qkv(1, 6, H=2))  # (B, S, H, D)
+    for mask in (m, m.block_mask(block_size=2)):
+        with pytest.raises(ValueError, match=r"\(B, H, S, D\).*transpose\(1, 2\)"):
+            flexpack.attention(q, k, v, mask)
