@@ -395,6 +395,8 @@ class PackedLayout:
 
         Raises:
             TypeError: ``input_ids`` are not integers, or ``eos_id`` is not an int.
+            ValueError: ``eos_id`` cannot occur in ids of this dtype (-1 in uint8, 2**32 + 2 in
+                int32): a comparison would wrap it onto another token.
 
         Example:
             >>> x = torch.tensor([[5, 6, 2, 7, 2, 8]])  # EOS = 2
@@ -413,6 +415,15 @@ class PackedLayout:
             ids = ids[None]
         if ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, S) or (S,); got shape {tuple(ids.shape)}")
+        info = torch.iinfo(ids.dtype)
+        if not info.min <= int(eos_id) <= info.max:
+            raise ValueError(
+                f"eos_id={int(eos_id)} cannot occur in input_ids of dtype {ids.dtype} (values "
+                f"{info.min}..{info.max}); comparing would wrap it onto another token id. Pass "
+                f"the tokenizer's eos_token_id, or ids of a wider dtype (input_ids.long())."
+            )
+        if ids.dtype == torch.uint64:  # torch has no uint64 == on CPU: compare the int64 bits
+            ids, eos_id = ids.view(torch.int64), int(eos_id) - (2**64 if eos_id >= 2**63 else 0)
         is_eos = (ids == int(eos_id)).to(torch.int32)
         # A token's document is the number of EOS tokens strictly before it in its row.
         doc = torch.cumsum(is_eos, dim=1, dtype=torch.int32) - is_eos

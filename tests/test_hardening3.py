@@ -102,3 +102,17 @@ def test_attention_with_q_in_bshd_says_to_transpose():
     for mask in (m, m.block_mask(block_size=2)):
         with pytest.raises(ValueError, match=r"\(B, H, S, D\).*transpose\(1, 2\)"):
             flexpack.attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "eos_id"),
+    [(torch.int32, 2**32 + 2), (torch.uint8, 258), (torch.uint8, -1), (torch.int64, 2**64 + 2)],
+)
+def test_from_eos_refuses_an_eos_id_the_dtype_cannot_hold(dtype, eos_id):
+    # The comparison wrapped: int32 ids and 2**32 + 2 split at token 2 (uint8 and 258, -1 and
+    # 255 likewise); 2**64 + 2 was a bare OverflowError.
+    x = torch.tensor([[5, 2, 7, 255, 8]]).to(dtype)
+    with pytest.raises(ValueError, match=rf"eos_id={eos_id} cannot occur in input_ids of dtype"):
+        flexpack.PackedLayout.from_eos(x, eos_id)
+    ref = flexpack.PackedLayout.from_eos(x.long(), 2).doc_ids
+    assert torch.equal(flexpack.PackedLayout.from_eos(x, 2).doc_ids, ref)
