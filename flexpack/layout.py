@@ -123,6 +123,26 @@ def _placement(seqlens: np.ndarray, num_docs: np.ndarray, max_len: int) -> _Plac
     return _Placement(doc_local, dest, offset_in_doc)
 
 
+def _first_past_int64(ids: np.ndarray) -> int | None:
+    """Index of the first uint64 value of ``ids`` that int64 cannot hold (>= 2**63), or None."""
+    if ids.dtype != np.uint64 or not ids.size:
+        return None
+    past = ids > np.iinfo(np.int64).max
+    return int(np.argmax(past)) if bool(past.any()) else None
+
+
+def _as_int64_ids(ids: np.ndarray, where: str) -> np.ndarray:
+    """``ids`` as int64, or a ValueError naming ``where`` for a uint64 id >= 2**63 (which a cast
+    would wrap to a negative id). The one check of every token reader (datasets, trees, CLI)."""
+    j = _first_past_int64(ids)
+    if j is not None:
+        raise ValueError(
+            f"{where}: element {j} is {int(ids[j])}, which does not fit int64; token ids must be "
+            "below 2**63 (check the tokenizer output)."
+        )
+    return ids.astype(np.int64, copy=False)
+
+
 def _as_int_tensor(x, name: str) -> Tensor:
     if isinstance(x, np.ndarray):
         if x.dtype == np.uint64:

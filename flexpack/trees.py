@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from flexpack import masks as _masks
+from flexpack.layout import _as_int64_ids
 from flexpack.packing import pack
 
 __all__ = ["TreeBatch", "grpo_loss", "pack_trees", "sequence_logps"]
@@ -211,7 +212,7 @@ def _as_tokens(x: Any, where: str) -> np.ndarray:
             f"{where} has no tokens; every segment of a tree needs at least one (drop empty "
             f"completions, or give them an end-of-sequence token)."
         )
-    return arr.astype(np.int64, copy=False)
+    return _as_int64_ids(arr, where)
 
 
 def _split_node(node: Any, where: str) -> tuple[np.ndarray, list[Any]]:

@@ -7,6 +7,7 @@ how to fix it).
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -116,3 +117,69 @@ def test_from_eos_refuses_an_eos_id_the_dtype_cannot_hold(dtype, eos_id):
         flexpack.PackedLayout.from_eos(x, eos_id)
     ref = flexpack.PackedLayout.from_eos(x.long(), 2).doc_ids
     assert torch.equal(flexpack.PackedLayout.from_eos(x, 2).doc_ids, ref)
+
+
+# uint64 token ids >= 2**63: every reader refuses them with the one shared check, as
+# pack_sequences does (they wrapped to negative ids: PackedDataset, PackedIterableDataset,
+# pack_trees; the CLI's Parquet reader is tested in test_cli.py).
+_BIG = np.array([3, 2**63 + 5, 4], dtype=np.uint64)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda s: flexpack.data.PackedDataset(s, max_len=4)[0],
+        lambda s: list(flexpack.data.PackedIterableDataset(s, max_len=4, buffer_size=2)),
+        lambda s: flexpack.pack_trees([(s[0], [s[0]])], max_len=8),
+        lambda s: flexpack.pack_sequences(s, max_len=4),
+    ],
+    ids=["PackedDataset", "PackedIterableDataset", "pack_trees", "pack_sequences"],
+)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_uint64_token_ids_past_int64_are_refused(read, as_tensor):
+    big = torch.from_numpy(_BIG) if as_tensor else _BIG
+    with pytest.raises(ValueError, match=rf"element 1 is {2**63 + 5}, which does not fit int64"):
+        read([big])
+    fits = np.array([3, 2**63 - 1, 4], dtype=np.uint64)
+    row = flexpack.data.PackedDataset([fits], max_len=4)[0]
+    assert row.input_ids.tolist() == [[3, 2**63 - 1, 4, 0]]
+
+
+@pytest.mark.parametrize("pad_id", [1.7, True, "0"])
+def test_datasets_refuse_a_pad_id_that_is_not_an_int(pad_id):
+    # pad_id=1.7 was truncated to 1 by int(); pack_sequences refuses it.
+    with pytest.raises(TypeError, match="pad_id must be an int token id"):
+        flexpack.data.PackedDataset([[1, 2]], max_len=4, pad_id=pad_id)
+    with pytest.raises(TypeError, match="pad_id must be an int token id"):
+        flexpack.data.PackedIterableDataset([[1, 2]], max_len=4, pad_id=pad_id)
+    ds = flexpack.data.PackedDataset([[1, 2]], max_len=4, pad_id=np.int64(7))
+    assert ds[0].input_ids.tolist() == [[1, 2, 7, 7]]
+
+
+def test_getitems_of_no_indices_is_no_rows():
+    # __getitems__([]) returned one empty batch: one result for zero indices.
+    ds = flexpack.data.PackedDataset([[1, 2], [3]], max_len=4)
+    assert ds.__getitems__([]) == []
+    assert len(ds.__getitems__([0, 0])) == 2
+
+
+@pytest.mark.parametrize("name", ["world_size", "num_replicas"])
+def test_world_size_zero_says_ranks_not_4096(name):
+    # world_size=0 suggested "world_size=4096", a row length.
+    ds = flexpack.data.PackedDataset([[1, 2], [3]], max_len=4)
+    if name == "world_size":
+        call = lambda: ds.shard(0, 0)
+    else:
+        call = lambda: flexpack.data.DistributedPackedSampler(ds, num_replicas=0, rank=0)
+    with pytest.raises(ValueError, match=r"number of ranks.*get_world_size\(\)") as e:
+        call()
+    assert "4096" not in str(e.value)
+
+
+def test_tree_parent_of_segment_zero_names_no_empty_range():
+    # "an earlier segment 0..-1" for segment 0.
+    with pytest.raises(ValueError, match=r"parent of segment 0 must be -1: it is a root") as e:
+        fm.tree(torch.tensor([0, 0, 1]), torch.tensor([0, 0]))
+    assert "0..-1" not in str(e.value)
+    with pytest.raises(ValueError, match=r"an earlier segment 0\.\.0"):
+        fm.tree(torch.tensor([0, 0, 1]), torch.tensor([-1, 1]))

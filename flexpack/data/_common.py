@@ -16,12 +16,24 @@ from typing import Any
 
 import numpy as np
 
+from flexpack.layout import _as_int64_ids
+
 _TOKEN_KINDS = "iu"
+
+
+# What to pass for each positive-int argument, said in its error (4096 fits max_len, not ranks).
+_POSITIVE_HINTS = {
+    "max_len": "pass the row length in tokens, e.g. max_len=4096",
+    "world_size": "pass the number of ranks, e.g. world_size=torch.distributed.get_world_size()",
+    "num_replicas": "pass the number of ranks, e.g. "
+    "num_replicas=torch.distributed.get_world_size()",
+}
 
 
 def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=4096.")
+        hint = _POSITIVE_HINTS.get(name, f"pass an int >= 1 for {name}")
+        raise ValueError(f"{name} must be a positive int, got {value!r}; {hint}.")
     return int(value)
 
 
@@ -47,7 +59,7 @@ def as_tokens(sample: Any, where: str) -> np.ndarray:
             f"{where} has shape {arr.shape} and dtype {arr.dtype}, expected a 1-D sequence of "
             "integer token ids; tokenize the samples first."
         )
-    return arr.astype(np.int64, copy=False)
+    return _as_int64_ids(arr, where)
 
 
 def _is_arrow(obj: Any) -> bool:
