@@ -933,10 +933,10 @@ def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
     bad = live & ((par < -1) | (par >= k[None, :]))
     if bool(bad.any()):
         b, j = bad.nonzero()[0].tolist()
+        allowed = f"-1 (a root) or an earlier segment 0..{j - 1}" if j else "-1: it is a root"
         raise ValueError(
-            f"parents[{b}, {j}] = {int(par[b, j])}, but a segment's parent must be -1 (a root) or "
-            f"an earlier segment 0..{j - 1}: segments are numbered depth-first, a parent before "
-            f"its children."
+            f"parents[{b}, {j}] = {int(par[b, j])}, but the parent of segment {j} must be "
+            f"{allowed}; segments are numbered depth-first, a parent before its children."
         )
     # Subtree ends and sizes, children folded into parents from the last segment up: O(M) steps
     # vectorized over rows. Depth-first numbering holds iff every subtree fills k..end - 1.

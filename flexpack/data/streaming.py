@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.batch import _from_pieces
+from flexpack.batch import _check_pad_id, _from_pieces
 from flexpack.data._common import (
     HFSource,
     _is_hf_dataset,
@@ -197,7 +197,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             raise TypeError(f"sync_ranks must be True or False, got {sync_ranks!r}.")
         self.column = column
         self.labels_column = labels_column
-        self.pad_id = int(pad_id)
+        self.pad_id = _check_pad_id(pad_id)  # int(1.7) would write token 1 silently
         self.rank, self.world_size = _dist_default(rank, world_size)
         node = getattr(iterable, "_distributed", None)  # datasets' split_dataset_by_node marker
         if self.world_size > 1 and node is not None and _is_hf_dataset(iterable):
