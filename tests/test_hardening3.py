@@ -231,3 +231,14 @@ def test_a_null_label_inside_a_labels_list_is_still_refused():
     ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "labels": [None, [1, None]]})
     with pytest.raises(ValueError, match="row 1 holds a null"):
         flexpack.data.PackedDataset(ds, 8)
+
+
+def test_docs_say_trls_packing_default_as_trl_has_it(tmp_path):
+    # docs/integrations.md said TRL's default is packing=True; TRL 1.16's is False.
+    from pathlib import Path
+
+    trl = pytest.importorskip("trl")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    default = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True).packing
+    assert f"`packing={default}` is TRL's default" in page
+    assert "TRL's defaults: `packing=True`" not in page
