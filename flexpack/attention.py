@@ -71,6 +71,17 @@ def _is_flexpack_mask(obj: object) -> bool:
     return hasattr(obj, "mask_mod") and hasattr(obj, "kind") and not isinstance(obj, BlockMask)
 
 
+def _layout_hint(q: Tensor, mask_len: int) -> str:
+    """A sentence for a shape mismatch that is really q in (B, S, H, D), the transformers layout."""
+    if q.shape[1] == mask_len and q.shape[2] != mask_len:
+        return (
+            f". q has shape {tuple(q.shape)}: that looks like (B, S, H, D), but flexpack.attention "
+            f"takes q, k, v as (B, H, S, D); pass q.transpose(1, 2), k.transpose(1, 2), "
+            f"v.transpose(1, 2) and transpose the output back (the mask is right as it is)"
+        )
+    return ""
+
+
 def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
     B, _, S, _ = q.shape
     block_mask = None
@@ -81,6 +92,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
             raise ValueError(
                 f"the BlockMask is for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but q, k, v "
                 f"have sequence length {S}; build the mask from doc_ids of shape (B, {S})"
+                + _layout_hint(q, block_mask.seq_lengths[0])
             )
         Bm = int(block_mask.kv_num_blocks.shape[0])
         if Bm not in (1, B):
@@ -121,7 +133,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
             raise ValueError(
                 f"the mask was built from doc_ids of shape {tuple(mask.doc_ids.shape)} but q has "
                 f"batch size {B} and sequence length {S}; expected doc_ids of shape ({B}, {S}), "
-                f"(1, {S}) or ({S},)"
+                f"(1, {S}) or ({S},)" + _layout_hint(q, doc_ids.shape[1])
             )
         if doc_ids.device != q.device:
             raise ValueError(

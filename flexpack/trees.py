@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from flexpack import masks as _masks
+from flexpack.layout import _as_int64_ids
 from flexpack.packing import pack
 
 __all__ = ["TreeBatch", "grpo_loss", "pack_trees", "sequence_logps"]
@@ -138,7 +139,8 @@ class TreeBatch:
             and (N, L) bool, True on the ``rollout_lengths[n]`` first entries of row n.
 
         Raises:
-            ValueError: logits not (R, S, V) for this batch, or on another device.
+            ValueError: logits not (R, S, V) for this batch, or on another device; a rollout
+                token outside [0, V).
 
         Example:
             >>> b = pack_trees([([5, 6, 7], [[8, 9], [4]])], max_len=8)
@@ -163,6 +165,14 @@ class TreeBatch:
             )
         flat = logits.reshape(R * S, -1)  # (R * S, V)
         tokens = self.input_ids.reshape(-1)[self._targets]  # (T,)
+        V = logits.shape[-1]
+        bad = (tokens < 0) | (tokens >= V)  # a negative id would read entry V - 1 silently
+        if bool(bad.any()):
+            raise ValueError(
+                f"gather_logps: rollout token {int(tokens[bad][0])} is not a token id in "
+                f"[0, {V}) (the logits' vocabulary size); check the vocabulary size of the model "
+                f"against the tokenizer."
+            )
         if logits.dtype in (torch.float32, torch.float64):
             # No (T, V) copy: the log-normalizer of every position, then one entry per target.
             lse = torch.logsumexp(logits, dim=-1).reshape(-1)  # (R * S,)
@@ -202,7 +212,7 @@ def _as_tokens(x: Any, where: str) -> np.ndarray:
             f"{where} has no tokens; every segment of a tree needs at least one (drop empty "
             f"completions, or give them an end-of-sequence token)."
         )
-    return arr.astype(np.int64, copy=False)
+    return _as_int64_ids(arr, where)
 
 
 def _split_node(node: Any, where: str) -> tuple[np.ndarray, list[Any]]:

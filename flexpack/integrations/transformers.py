@@ -262,7 +262,11 @@ def _doc_ids(
     seq_idx: Tensor | None,
     position_ids: Tensor | None,
 ) -> Tensor:
-    """(B, S) int32 document ids, -1 on padding, from the first source that is given."""
+    """(B, S) integer document ids, -1 on padding, from the first source that is given.
+
+    Signed ids keep their dtype (an int64 id of 2**32 stays itself: a cast to int32 would merge it
+    with document 0); unsigned ids become int64 so that -1 fits, and the mask refuses uint64 ids
+    past int64 (``flexpack.masks.document``)."""
     for name, ids in (("doc_ids", doc_ids), ("seq_idx", seq_idx)):
         if ids is not None:
             if not isinstance(ids, Tensor) or tuple(ids.shape) not in ((B, S), (1, S)):
@@ -273,12 +277,21 @@ def _doc_ids(
             break
     else:
         if position_ids is None:
-            ids = torch.zeros(1, S, dtype=torch.int32)  # one sequence per row: plain causal
+            ids = torch.zeros(1, S, dtype=torch.int64)  # one sequence per row: plain causal
         else:
             # transformers' packed-sequence rule: a new sequence wherever positions don't step by 1
             step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
             ids = (step != 1).cumsum(-1)
-    ids = ids.to(torch.int32).expand(B, S)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(
+            f"document ids must be an integer tensor like input_ids, got dtype {ids.dtype}; "
+            "convert with .long()."
+        )
+    if not ids.dtype.is_signed:
+        from flexpack.masks import _as_doc_ids
+
+        ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
+    ids = ids.expand(B, S)
     if padding is not None:
         if padding.dim() != 2:
             raise ValueError(
