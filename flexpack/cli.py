@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flexpack import __version__
 from flexpack._choices import OVERFLOWS, STRATEGIES
 
 if TYPE_CHECKING:
@@ -635,6 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flexpack", description=_DESCRIPTION, formatter_class=_Formatter
     )
+    parser.add_argument("--version", action="version", version=f"flexpack {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
