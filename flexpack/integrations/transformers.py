@@ -29,9 +29,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack.integrations import multimodal
+from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
+
 NAME = "flexpack"
 
-__all__ = ["NAME", "flexpack_attention_forward", "packed_forward_kwargs", "register"]
+__all__ = [
+    "NAME",
+    "collate_multimodal",
+    "flexpack_attention_forward",
+    "pack_multimodal",
+    "packed_forward_kwargs",
+    "register",
+]
 
 # Every layer of a forward receives the same doc_ids/position_ids tensors, so the document ids are
 # derived for the first layer and reused by the others (and by the next forward on the same
@@ -160,7 +170,9 @@ def flexpack_attention_forward(
             ``position_ids`` (B or 1, S) int, ``is_causal``, ``sliding_window``, ``softcap``
             (attention-logit soft-capping, Gemma 2), and ``flexpack_mask``: a prebuilt flexpack
             Mask or BlockMask used as is by every layer (e.g. ``flexpack.pack_trees(...).mask()
-            .block_mask()``, with the batch's ``position_ids``).
+            .block_mask()``, with the batch's ``position_ids``), and ``image_span_ids`` (B, S)
+            (Gemma 3 rows of ``pack_multimodal``: one image's tokens attend both ways). Calls
+            from a vision tower (module with a vision config) run as transformers' ``sdpa``.
 
     Returns:
         ``(attn_output, None)``, attn_output (B, S, Hq, D) as transformers expects.
@@ -180,6 +192,11 @@ def flexpack_attention_forward(
     """
     from flexpack.attention import attention
 
+    if multimodal._vision_call(module, query, kwargs):  # a vision tower's own per-image blocks
+        return multimodal._vision_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+            kwargs=kwargs,
+        )  # fmt: skip
     B, Hq, S, _ = query.shape
     if key.shape[2] != S:
         raise ValueError(
@@ -202,6 +219,10 @@ def flexpack_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     mask = kwargs.get("flexpack_mask")  # a prebuilt mask (e.g. a TreeBatch's) wins
+    if mask is None and kwargs.get("image_span_ids") is not None:  # Gemma 3 pack_multimodal rows
+        mask = multimodal._image_span_mask(
+            query.device, B, S, attention_mask, kwargs, bool(is_causal)
+        )
     if mask is None:
         mask = _mask_for(
             query.device,
