@@ -89,7 +89,8 @@ def test_direct_call_with_more_keys_than_queries_is_bottom_right_causal():
     pad = torch.ones(2, 7, dtype=torch.bool)
     pad[1, :2] = False  # row 1 is left-padded
     out, _ = flexpack_attention_forward(torch.nn.Module(), q, k, v, pad, sliding_window=5)
-    allowed = torch.ones(3, 7, dtype=torch.bool).tril(4) & ~torch.ones(3, 7, dtype=torch.bool).tril(-1)
+    ones = torch.ones(3, 7, dtype=torch.bool)
+    allowed = ones.tril(4) & ~ones.tril(-1)  # query i sits at key 4 + i; window 5
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=allowed[None, None] & pad[:, None, None, :], enable_gqa=True
     )
@@ -126,4 +127,6 @@ def test_tree_mask_on_a_window_needs_position_ids():
     attn = model.model.layers[0].self_attn
     q = k = v = torch.randn(1, 4, 8, 8)
     with pytest.raises(ValueError, match="position_ids"):
-        flexpack_attention_forward(attn, q, k, v, None, flexpack_mask=batch.mask(), sliding_window=4)
+        flexpack_attention_forward(
+            attn, q, k, v, None, flexpack_mask=batch.mask(), sliding_window=4
+        )
