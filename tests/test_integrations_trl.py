@@ -131,8 +131,8 @@ def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp
     model.gradient_checkpointing_disable()
     w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
     grads = []
-    for fn in (trainer._get_per_token_logps_and_entropies,
-               lambda *a, **k: trl.GRPOTrainer._get_per_token_logps_and_entropies(trainer, *a, **k)):  # fmt: skip
+    theirs = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)
+    for fn in (trainer._get_per_token_logps_and_entropies, theirs):
         model.zero_grad()
         lp, ent, _ = fn(model, ids, mask, C, compute_entropy=True)
         ((lp * w).sum() + 0.1 * ent.sum()).backward()
