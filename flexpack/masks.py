@@ -845,10 +845,11 @@ def prefix_lm_mask(doc_ids: Tensor, prefix_lengths: Tensor, *, block_size: int =
 
 
 def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
-    """Validate a forest layout; return (B, M + 1) int64 subtree ends.
+    """Validate a forest layout; return (B, S + 1) int64 subtree ends.
 
     Segment k of row b (numbered depth-first, a parent before its children) has the descendants
-    k..ends[b, k] - 1 (itself included); the last column, read by padding, is -1.
+    k..ends[b, k] - 1 (itself included); columns past the row's segments, and the last one, read
+    by padding, are -1.
     """
     if not isinstance(parents, Tensor):
         raise TypeError(
@@ -921,7 +922,11 @@ def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
             f"a parent before its children and a whole subtree before the next sibling."
         )
     ends = torch.where(live, ends, -1)
-    return torch.nn.functional.pad(ends, (0, 1), value=-1).to(segment_ids.device)
+    # S + 1 columns whatever the segment count (M <= S: a segment holds a token at least), so
+    # the tables a compiled flex kernel reads have shapes that depend on S only: a batch with
+    # another number of segments (every GRPO step) reuses the graph.
+    S = segment_ids.shape[1]
+    return torch.nn.functional.pad(ends, (0, S + 1 - M), value=-1).to(segment_ids.device)
 
 
 def _tree_mod(segment_ids: Tensor, ends: Tensor) -> MaskMod:

@@ -148,7 +148,8 @@ def test_packed_token_loss_grads_equal_unpacked(kind):
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+        # fp32 summation order: Gemma's scaled, tied embedding grads (max ~1.5) differ by ~4e-6
+        torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
 
 
 @settings(max_examples=8)
