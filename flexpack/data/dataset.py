@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.batch import PackedBatch
+from flexpack.batch import PackedBatch, _check_pad_id
 from flexpack.data._common import (
     _is_arrow,
     _is_hf_dataset,
@@ -249,7 +249,7 @@ class PackedDataset(torch.utils.data.Dataset):
         from flexpack.packing import pack
 
         self.max_len = check_positive_int("max_len", max_len)
-        self.pad_id = int(pad_id)
+        self.pad_id = _check_pad_id(pad_id)  # int(1.7) would write token 1 silently
         self._stored: _StoredRows | None = None
         if _StoredRows.holds(samples, column):
             self._stored = _StoredRows(samples, self.max_len, labels_column)
@@ -326,6 +326,8 @@ class PackedDataset(torch.utils.data.Dataset):
             if not -len(self) <= index < len(self):
                 raise IndexError(f"row index {index} out of range for {len(self)} rows")
             rows.append(int(self._rows[index]))
+        if not rows:  # one result per index: none (a 0-row batch would be one result)
+            return []
         if self._stored is not None:
             batch = self._stored.read(rows, self.pad_id)
             return _split_rows(batch) if len(rows) > 1 else [batch]
