@@ -56,7 +56,7 @@ from _machine import describe  # bench/ is on sys.path when run as a script
 
 import flexpack
 from flexpack.data import shard_rows
-from flexpack.data.dataset import flops_weights
+from flexpack.data import flops_weights
 from flexpack.parallel import _token_work, shard_context
 
 CORPUS = Path(flexpack.__file__).parent / "assets" / "corpus.jsonl"
