@@ -55,8 +55,7 @@ import torch
 from _machine import describe  # bench/ is on sys.path when run as a script
 
 import flexpack
-from flexpack.data import shard_rows
-from flexpack.data import flops_weights
+from flexpack.data import flops_weights, shard_rows
 from flexpack.parallel import _token_work, shard_context
 
 CORPUS = Path(flexpack.__file__).parent / "assets" / "corpus.jsonl"
