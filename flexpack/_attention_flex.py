@@ -4,7 +4,8 @@ Compilation is lazy and cached (nothing compiles at import). Shapes are fixed
 (``dynamic=False``): a new (B, H, S, D) compiles once more, a new document layout, window or
 softcap at the same shape does not (they are tensors the mask reads). Every configuration
 (device, dtype, grad or not, scale, GQA, softcap, block size) gets its own compiled wrapper with
-its own dynamo cache (``isolate_recompiles``), so ``torch._dynamo.config.recompile_limit`` counts
+its own dynamo cache (``_compat.compile_isolated``: ``isolate_recompiles`` where torch has it, a
+fresh code object on torch 2.11 and 2.12), so ``torch._dynamo.config.recompile_limit`` counts
 the shapes of one configuration, not everything flex_attention ever ran on. Past that limit dynamo
 would silently run flex_attention eagerly, which materializes the whole score matrix (one peer's
 users lost 5x that way); here that case raises instead, naming the guard that failed.
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from flexpack import _compat
 from flexpack._attention_sdpa import _tokens, _untokens, cached_plan, document_groups
 
 
@@ -56,17 +58,13 @@ VARLEN_MAX_HEAD_DIM = 256
 def compiled_flex_attention(config: tuple, dynamic: bool = False):
     """``torch.compile(flex_attention)`` for one configuration, built once, with its own cache.
 
-    ``config`` only keys the cache (device type, dtype, grad, scale, ...). ``isolate_recompiles``
-    gives each wrapper its own dynamo cache entries and recompile count; the limit is
-    ``torch._dynamo.config.recompile_limit`` at call time.
+    ``config`` only keys the cache (device type, dtype, grad, scale, ...).
+    :func:`flexpack._compat.compile_isolated` gives each wrapper its own dynamo cache entries and
+    recompile count; the limit is ``torch._dynamo.config.recompile_limit`` at call time.
     """
     del config
-    return torch.compile(
-        flex_attention,
-        backend=_BACKEND,
-        dynamic=dynamic,
-        fullgraph=True,
-        isolate_recompiles=True,
+    return _compat.compile_isolated(
+        flex_attention, backend=_BACKEND, dynamic=dynamic, fullgraph=True
     )
 
 
@@ -243,9 +241,7 @@ def flex(
 def varlen_available(device: torch.device) -> bool:
     """Whether ``varlen_attn`` runs on ``device``: torch >= 2.10 ships it, and its FlashAttention
     kernels need a CUDA GPU of compute capability 8.0 (Ampere) or newer. Probed on first use."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    if _compat.varlen_attn_function() is None:
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
@@ -324,8 +320,7 @@ def varlen(
     order skip the gather and scatter; with q, k, v laid out (B, S, H, D) underneath, as models
     produce them before ``transpose(1, 2)``, no copy is made at all.
     """
-    from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn = _compat.varlen_attn_function()
     B, Hq, S, D = q.shape
     plan = cached_plan("varlen", doc_ids, B, _varlen_plan)
     if plan.identity:
@@ -344,7 +339,9 @@ def varlen(
         plan.max_seqlen,
         scale=scale,
         window_size=(-1, 0) if causal else (-1, -1),
-        enable_gqa=enable_gqa,
+        # torch 2.11's varlen_attn has no enable_gqa: its FlashAttention kernel groups the fewer
+        # k/v heads by itself (flexpack.attention checked that Hkv divides Hq).
+        **({"enable_gqa": enable_gqa} if _compat.varlen_takes_enable_gqa(varlen_attn) else {}),
     )
     if plan.identity:
         return _untokens(o, B, S)

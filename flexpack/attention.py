@@ -71,6 +71,17 @@ def _is_flexpack_mask(obj: object) -> bool:
     return hasattr(obj, "mask_mod") and hasattr(obj, "kind") and not isinstance(obj, BlockMask)
 
 
+def _layout_hint(q: Tensor, mask_len: int) -> str:
+    """A sentence for a shape mismatch that is really q in (B, S, H, D), the transformers layout."""
+    if q.shape[1] == mask_len and q.shape[2] != mask_len:
+        return (
+            f". q has shape {tuple(q.shape)}: that looks like (B, S, H, D), but flexpack.attention "
+            f"takes q, k, v as (B, H, S, D); pass q.transpose(1, 2), k.transpose(1, 2), "
+            f"v.transpose(1, 2) and transpose the output back (the mask is right as it is)"
+        )
+    return ""
+
+
 def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
     B, _, S, _ = q.shape
     block_mask = None
@@ -81,6 +92,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
             raise ValueError(
                 f"the BlockMask is for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but q, k, v "
                 f"have sequence length {S}; build the mask from doc_ids of shape (B, {S})"
+                + _layout_hint(q, block_mask.seq_lengths[0])
             )
         Bm = int(block_mask.kv_num_blocks.shape[0])
         if Bm not in (1, B):
@@ -121,7 +133,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
             raise ValueError(
                 f"the mask was built from doc_ids of shape {tuple(mask.doc_ids.shape)} but q has "
                 f"batch size {B} and sequence length {S}; expected doc_ids of shape ({B}, {S}), "
-                f"(1, {S}) or ({S},)"
+                f"(1, {S}) or ({S},)" + _layout_hint(q, doc_ids.shape[1])
             )
         if doc_ids.device != q.device:
             raise ValueError(
@@ -225,17 +237,21 @@ def _varlen_head_dim(D: int) -> bool:
 def _choose_path(
     q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str, softcap: float | None = None
 ) -> str:
-    """The path for these inputs: "flex", "varlen", "sdpa_document", "sdpa_causal", "sdpa_dense".
+    """The path for these inputs: "flex", "varlen", "sdpa_document", "sdpa_document_window",
+    "sdpa_causal", "sdpa_tree", "sdpa_dense".
 
     Raises ValueError when ``backend`` cannot run this mask on this device.
     """
     on_cuda = q.device.type == "cuda"
     grad = _needs_grad(q, k, v)
     per_document = spec.kind in _DOCUMENT_KINDS and spec.doc_ids is not None
+    windowed = _document_window(spec) is not None
 
     def sdpa_path() -> str:
         if per_document:
             return "sdpa_document"
+        if windowed:
+            return "sdpa_document_window"  # each document's own band, one SDPA call per doc
         if spec.kind == "causal":
             return "sdpa_causal"
         if spec.kind == "tree" and spec.mask is not None:
@@ -308,7 +324,7 @@ def _choose_path(
         if q.dtype == torch.float64 or q.shape[-1] > _FLEX_CUDA_MAX_HEAD_DIM:
             return sdpa_path()  # beyond inductor's flex kernels: SDPA runs anything
         return "flex"
-    if per_document or spec.kind == "causal":
+    if per_document or spec.kind == "causal" or windowed:
         # On CPU, SDPA per document beats compiled flex even without grad (bench/attention.py).
         return sdpa_path()
     if spec.kind == "tree" and spec.mask is not None:
@@ -318,6 +334,17 @@ def _choose_path(
     if q.device.type == "cpu" and not grad and q.dtype != torch.float64:
         return "flex"  # (flex on CPU has no float64 kernel: float64 stays on SDPA)
     return sdpa_path()
+
+
+def _document_window(spec: _MaskSpec) -> int | None:
+    """The window of a ``document_causal & sliding_window(w)`` mask (either order), else None."""
+    mask = spec.mask
+    if spec.kind != "and" or spec.doc_ids is None or len(mask.children) != 2:
+        return None
+    kinds = sorted(c.kind for c in mask.children)
+    if kinds != ["document_causal", "sliding_window"]:
+        return None
+    return next(c.window for c in mask.children if c.kind == "sliding_window")
 
 
 def _kv_for_causal_sdpa(
@@ -594,6 +621,14 @@ def attention(
             q, k, v, spec.mask.doc_ids, causal=causal, scale=scale, enable_gqa=enable_gqa,
             softcap=softcap,
         )  # fmt: skip
+    if path == "sdpa_document_window":
+        if _attention_sdpa.contiguous_documents(spec.mask.doc_ids, B):
+            return _attention_sdpa.per_document_sdpa(
+                q, k, v, spec.mask.doc_ids, causal=True, scale=scale, enable_gqa=enable_gqa,
+                softcap=softcap, window=_document_window(spec),
+            )  # fmt: skip
+        # A document cut into several runs: its window counts row positions, not its own.
+        path = "sdpa_dense"
     if path == "sdpa_causal":
         k, v, enable_gqa = _kv_for_causal_sdpa(q, k, v, enable_gqa)
         return _attention_sdpa.sdpa(
