@@ -552,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the markdown report here (as it goes)")
     args = parser.parse_args(argv)
     argv = sys.argv[1:] if argv is None else argv
+    from flexpack import _compat
+
+    print("\n".join(_compat.describe()), flush=True)  # torch, triton, fallbacks in use
     if args.dry_run:
         device = torch.device("cpu")
         sizes, H, D, median, S_check = args.sizes or [256], 2, 16, 32, 150
