@@ -46,6 +46,32 @@ def tiny_llama(transformers, attn: str, *, hidden: int, layers: int, vocab: int,
     return transformers.LlamaForCausalLM(config)
 
 
+def tiny_sliding(transformers, family: str, attn: str, *, hidden: int, layers: int, vocab: int):
+    """A tiny Gemma 2 or Qwen3 whose layers alternate sliding-window and full attention.
+
+    Gemma 2: its own defaults (softcap 50, a sliding layer every other layer), window 512.
+    Qwen3: ``use_sliding_window=True`` with ``max_window_layers=layers // 2``, so transformers 5's
+    ``layer_types`` make the upper half sliding (window 512), as its config derives them.
+    """
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=hidden // 4, pad_token_id=vocab - 3, eos_token_id=vocab - 2,
+        sliding_window=512, initializer_range=0.02, attn_implementation=attn,
+    )  # fmt: skip
+    if family == "gemma2":
+        config = transformers.Gemma2Config(query_pre_attn_scalar=hidden // 4, **common)
+        cls = transformers.Gemma2ForCausalLM
+    else:
+        config = transformers.Qwen3Config(
+            use_sliding_window=True, max_window_layers=layers // 2, **common
+        )
+        cls = transformers.Qwen3ForCausalLM
+    assert "sliding_attention" in config.layer_types, config.layer_types
+    torch.manual_seed(0)
+    return cls(config)
+
+
 def word_tokenizer(transformers):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -80,9 +106,8 @@ def _Clock(transformers):
     return clock
 
 
-def bench_sft(args, transformers, flexpack_name) -> list[tuple]:
+def sft_data(args, transformers):
     import datasets
-    import trl
 
     tok, vocab = word_tokenizer(transformers)
     g = torch.Generator().manual_seed(0)
@@ -97,39 +122,71 @@ def bench_sft(args, transformers, flexpack_name) -> list[tuple]:
             "completion": [" " + text(k) for k in lognormal(g, n, 60, 200)],
         }
     )
-    rows = []
-    for attn in ("sdpa", flexpack_name):
-        with tempfile.TemporaryDirectory() as out:
-            config = trl.SFTConfig(
-                output_dir=out, packing=True, max_length=args.max_len,
-                per_device_train_batch_size=args.batch, max_steps=args.steps + 2,
-                logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-                disable_tqdm=True,
-            )  # fmt: skip
-            model = tiny_llama(
-                transformers, attn, hidden=args.hidden, layers=args.layers, vocab=vocab
-            )
-            trainer = trl.SFTTrainer(
-                model=model, args=config, train_dataset=data, processing_class=tok
-            )
-            clock = _Clock(transformers)
-            trainer.add_callback(clock)
-            trainer.train()
-            times = clock.times
-            logged = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
-            tokens = [b - a for a, b in zip([0, *logged[:-1]], logged, strict=True)]
-            # The first two steps warm up (allocations, the first mask); time the rest.
-            t = sum(times[2:])
-            rows.append(
-                (
-                    "TRL SFTTrainer, packing=True, bf16",
-                    attn,
-                    t / len(times[2:]),
-                    sum(tokens[2:]) / t,
-                )
-            )
+    return data, tok, vocab
+
+
+def bench_sft(args, transformers, flexpack_name) -> list[tuple]:
+    data, tok, vocab = sft_data(args, transformers)
+    make = lambda attn: tiny_llama(
+        transformers, attn, hidden=args.hidden, layers=args.layers, vocab=vocab
+    )
+    rows = [
+        ("TRL SFTTrainer, packing=True, bf16", attn, *run_sft(args, make(attn), data, tok))
+        for attn in ("sdpa", flexpack_name)
+    ]
     rows.append(bench_trainer(args, transformers, flexpack_name, data, tok, vocab))
     return rows
+
+
+def bench_sliding(args, transformers, flexpack_name) -> list[tuple]:
+    """Gemma 2 and Qwen3 (sliding-window layers) through SFTTrainer: eager, sdpa, flexpack.
+
+    Same samples, same packed rows (TRL's BFD packing), same seed; only ``attn_implementation``
+    differs. Whole runs repeat ``--repeats`` times in turns (eager, sdpa, flexpack, eager, ...)
+    so load changes on a shared machine hit all alike; the median per implementation is kept.
+    """
+    data, tok, vocab = sft_data(args, transformers)
+    rows = []
+    for family in args.sliding:
+        runs: dict[str, list[tuple[float, float]]] = {}
+        for _ in range(args.repeats):
+            # transformers 5 has no sdpa for Gemma 2 (softcap): eager is what its users run.
+            peers = ("eager",) if family == "gemma2" else ("eager", "sdpa")
+            for attn in (*peers, flexpack_name):
+                model = tiny_sliding(
+                    transformers, family, attn, hidden=args.hidden, layers=args.layers,
+                    vocab=vocab,
+                )  # fmt: skip
+                runs.setdefault(attn, []).append(run_sft(args, model, data, tok))
+        for attn, results in runs.items():
+            step = sorted(r[0] for r in results)[len(results) // 2]
+            tps = sorted(r[1] for r in results)[len(results) // 2]
+            rows.append((family, attn, step, tps))
+    return rows
+
+
+def run_sft(args, model, data, tok) -> tuple[float, float]:
+    """TRL SFTTrainer at its defaults but packing=True: (s / step, real tokens / s)."""
+    import transformers
+    import trl
+
+    with tempfile.TemporaryDirectory() as out:
+        config = trl.SFTConfig(
+            output_dir=out, packing=True, max_length=args.max_len,
+            per_device_train_batch_size=args.batch, max_steps=args.steps + 2,
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+            disable_tqdm=True,
+        )  # fmt: skip
+        trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=tok)
+        clock = _Clock(transformers)
+        trainer.add_callback(clock)
+        trainer.train()
+        times = clock.times
+        logged = [h["num_tokens"] for h in trainer.state.log_history if "num_tokens" in h]
+        tokens = [b - a for a, b in zip([0, *logged[:-1]], logged, strict=True)]
+        # The first two steps warm up (allocations, the first mask); time the rest.
+        t = sum(times[2:])
+        return t / len(times[2:]), sum(tokens[2:]) / t
 
 
 def bench_trainer(args, transformers, flexpack_name, data, tok, vocab) -> tuple:
@@ -230,15 +287,39 @@ def leak_table(transformers, flexpack_name) -> list[tuple]:
     return out
 
 
+def print_sliding(rows: list[tuple], max_len: int) -> None:
+    print(
+        f"| model (sliding-window layers, bf16, TRL SFTTrainer packing=True, rows of {max_len}) "
+        f"| attn_implementation | s / step | real tokens / s | eager s/step / this s/step "
+        f"| sdpa s/step / this s/step |"
+    )
+    print("|---|---|---:|---:|---:|---:|")
+    for family, attn, step, tps in rows:
+        base = {r[1]: r[2] for r in rows if r[0] == family}
+        ratios = [f"{base[b] / step:.2f}x" if b in base else "n/a" for b in ("eager", "sdpa")]
+        label = {"gemma2": "Gemma 2", "qwen3": "Qwen3"}[family]
+        print(f"| {label} | {attn} | {step:.3f} | {tps:,.0f} | {' | '.join(ratios)} |")
+    print()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=20, help="timed steps per run (after 2 warm-up)")
     p.add_argument("--batch", type=int, default=2, help="per-device batch size (TRL)")
     p.add_argument("--max-len", type=int, default=1024, help="TRL max_length; longest sample")
-    p.add_argument("--hidden", type=int, default=256, help="Llama hidden size")
+    p.add_argument("--hidden", type=int, default=256, help="model hidden size")
     p.add_argument("--layers", type=int, default=4, help="Llama layers")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--tables", default="recipes,sliding", help="which tables: recipes, sliding (comma list)"
+    )
+    p.add_argument(
+        "--sliding", default="gemma2,qwen3", help="sliding-window models for the sliding table"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="runs per model in the sliding table")
     args = p.parse_args()
+    args.sliding = args.sliding.split(",")
+    tables = args.tables.split(",")
     if args.threads:
         torch.set_num_threads(args.threads)
     import transformers
@@ -253,9 +334,14 @@ def main() -> None:
         f"{torch.get_num_threads()}, transformers {transformers.__version__}, trl {trl.__version__}"
     )
     print(
-        f"# Llama hidden {args.hidden}, {args.layers} layers, 4 q / 2 kv heads; "
+        f"# Llama / Gemma 2 / Qwen3 hidden {args.hidden}, {args.layers} layers, 4 q / 2 kv heads "
+        f"(sliding window 512 on the sliding layers); "
         f"{args.steps} timed steps\n"
     )
+    if "sliding" in tables:
+        print_sliding(bench_sliding(args, transformers, name), args.max_len)
+    if "recipes" not in tables:
+        return
     rows = bench_sft(args, transformers, name) + bench_flattening(args, transformers, name)
     print(
         "| recipe | attn_implementation | s / step | real tokens / s | "

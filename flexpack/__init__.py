@@ -12,6 +12,7 @@ The names below load on first use (PEP 562), so ``import flexpack`` and the ``fl
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,15 @@ if TYPE_CHECKING:
     from flexpack.packing import PackPlan, PackStats, pack
     from flexpack.trees import TreeBatch, pack_trees
 
-__version__ = "0.1.0"
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("flexpack")
+    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "0.1.0"
+
+
+__version__ = _version()
 
 _EXPORTS = {
     "PackPlan": "flexpack.packing",
@@ -78,8 +87,14 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+# What dir(flexpack) and tab completion show: the public names, the submodules already loaded,
+# and the module's own dunders; not the helpers this file imports (Any, importlib, sys, ...).
+_HELPERS = frozenset({"Any", "TYPE_CHECKING", "annotations", "importlib", "sys", "types"})
+
+
 def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+    shown = (n for n in globals() if n.startswith("__") or not (n in _HELPERS or n[0] == "_"))
+    return sorted({*_EXPORTS, *shown})
 
 
 class _Package(types.ModuleType):

@@ -102,8 +102,45 @@ def _reason_handler() -> _RecompileReason:
     return handler
 
 
+_QKV = ("query", "key", "value")
+_DIMS = {
+    "0": (
+        "The number of rows B changed",
+        "keep the rows per batch fixed (pad the batch with all-padding rows, doc ids -1), "
+        "or group batches by row count",
+    ),
+    "1": ("The number of heads changed", "keep the head count fixed"),
+    "2": (
+        "The row length S changed",
+        "pass flexpack.attention a flexpack Mask (it pads S to a bucket length, see "
+        "flexpack.attention), or feed rows of a fixed length (pack to max_len and keep the "
+        "padding)",
+    ),
+    "3": ("The head dim changed", "keep the head dim fixed"),
+}
+
+
+def _fix_for(reason: str | None) -> str:
+    """What the failed guard means, and the fix that applies to it."""
+    text = reason or ""
+    for name in _QKV:
+        if f"'{name}' size mismatch at index " in text:
+            index = text.split(f"'{name}' size mismatch at index ", 1)[1][:1]
+            what, fix = _DIMS.get(index, ("A size of q, k or v changed", "keep shapes fixed"))
+            return f"{what} ({name} dim {index}). Fix: {fix}"
+    if "size mismatch" in text or "stride mismatch" in text:
+        return (
+            "A tensor the mask or score_mod reads changed shape. Fix: give those tensors "
+            "shapes that depend on (B, S) only (flexpack's masks do), not on the layout"
+        )
+    return (
+        "Fix: feed rows of a fixed length (pack to max_len and keep the padding; a few "
+        "bucket lengths at most) and keep mask parameters in tensors"
+    )
+
+
 def recompile_limit_message(reason: str | None, q: Tensor, k: Tensor, block_mask: BlockMask) -> str:
-    """The RecompileLimitError text: the failed guard, this call's inputs, and the fix."""
+    """The RecompileLimitError text: the failed guard, this call's inputs, and the fix for it."""
     what = (
         f"the guard that failed: {reason.strip()}"
         if reason
@@ -115,9 +152,8 @@ def recompile_limit_message(reason: str | None, q: Tensor, k: Tensor, block_mask
         f"and block size each get their own compiled function); {what}. This call: q "
         f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, block size {block_mask.BLOCK_SIZE}. "
         "Dynamo would now run flex_attention eagerly, which materializes the full score matrix "
-        "and is many times slower. Fix: feed rows of a fixed length (pack to max_len and keep "
-        "the padding; a few bucket lengths at most) and keep mask parameters in tensors, or "
-        "raise torch._dynamo.config.recompile_limit if you really need more variants."
+        f"and is many times slower. {_fix_for(reason)}; or raise "
+        "torch._dynamo.config.recompile_limit if you really need more variants."
     )
 
 
@@ -132,14 +168,27 @@ def softcap_score_mod(softcap: float, device: torch.device):
     """The flex ``score_mod`` of attention-logit soft-capping: ``cap * tanh(score / cap)``.
 
     The cap is a 0-d tensor the closure reads, not a Python number baked into the graph, so a new
-    value (or a new closure per call) reuses the compiled kernel instead of recompiling.
+    value reuses the compiled kernel instead of recompiling. One closure per (cap, device), made
+    once: every later layer and step reuses it, so no call copies a Python float to the device
+    (on CUDA, a pageable host-to-device copy is a stream sync). The tensor is filled on the
+    device (``torch.full``), not copied from the host, even the first time.
     """
-    cap = torch.tensor(float(softcap), device=device)
+    key = (float(softcap), str(torch.device(device)))
+    mod = _SOFTCAP_MODS.get(key)
+    if mod is None:
+        cap = torch.full((), float(softcap), device=device)
 
-    def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return cap * torch.tanh(score / cap)
+        def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor):
+            return cap * torch.tanh(score / cap)
 
-    return softcap_mod
+        if len(_SOFTCAP_MODS) >= 16:
+            _SOFTCAP_MODS.pop(next(iter(_SOFTCAP_MODS)))
+        mod = _SOFTCAP_MODS[key] = softcap_mod
+    return mod
+
+
+# (cap, device) -> the softcap score_mod closure of :func:`softcap_score_mod`.
+_SOFTCAP_MODS: dict[tuple[float, str], object] = {}
 
 
 def flex(

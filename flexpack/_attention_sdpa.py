@@ -3,11 +3,14 @@
 flex_attention has no CPU backward in torch 2.13, so training on CPU goes through
 ``scaled_dot_product_attention`` instead. Two exact paths:
 
-- per-document (``document`` / ``document_causal`` masks): one SDPA call per document on views
-  of the token stream when documents are contiguous runs (the packer's layout) and few; else
-  tokens are gathered by document, documents of equal length run as one batched SDPA call, and
-  outputs are scattered back. Work is the sum over documents of ``L_i^2`` instead of ``S^2``,
-  and no (S, S) mask is ever built.
+- per-document (``document`` / ``document_causal`` masks, and ``document_causal`` with a
+  ``sliding_window``): one SDPA call per document on views of the token stream when documents
+  are contiguous runs (the packer's layout) and few; else tokens are gathered by document,
+  documents of equal length run as one batched SDPA call, and outputs are scattered back. Work
+  is the sum over documents of ``L_i^2`` instead of ``S^2``, and no (S, S) mask is ever built.
+  A sliding window is each document's own band: ``is_causal`` where the document fits in the
+  window, else a banded (L, L) mask, or, for documents much longer than the window, query
+  chunks of at least ``window + 1`` tokens against their ``window`` keys before (O(L * window)).
 - dense (every other mask): the mask is evaluated into a (B, H, S, S) bool tensor and handed to
   SDPA. Rows with no allowed key are computed against all keys (so no NaN appears anywhere) and
   then zeroed, which also zeroes their gradients.
@@ -134,6 +137,7 @@ class _SdpaPlan:
     is_doc: list[bool]
     perm: Tensor | None
     runs: list[tuple[int, int]]
+    contiguous: bool  # every document is one run of consecutive tokens
 
 
 # Below this many documents per call, one SDPA call per document (views, no copies) beats
@@ -158,7 +162,7 @@ def _sdpa_plan(doc_ids: Tensor) -> _SdpaPlan:
     lens_sorted, doc_perm = torch.sort(groups.seqlens, stable=True)
     run_lens, run_counts = torch.unique_consecutive(lens_sorted, return_counts=True)
     if contiguous and (n_docs <= _SPLIT_MAX_DOCS or n_docs <= 2 * run_lens.numel()):
-        return _SdpaPlan("split", sizes.tolist(), is_doc.tolist(), None, [])
+        return _SdpaPlan("split", sizes.tolist(), is_doc.tolist(), None, [], True)
     # Reorder the documents by length so that documents of equal length are adjacent: then one
     # gather (index_select) puts every token where its batched SDPA call wants it, the calls take
     # contiguous slices, and one index_copy scatters the outputs back. (Gathering per call instead
@@ -169,7 +173,14 @@ def _sdpa_plan(doc_ids: Tensor) -> _SdpaPlan:
     within = torch.arange(T, device=doc_ids.device) - torch.repeat_interleave(before, lens_sorted)
     perm = groups.order[torch.repeat_interleave(starts_sorted, lens_sorted) + within]  # (T,)
     runs = list(zip(run_lens.tolist(), run_counts.tolist(), strict=True))
-    return _SdpaPlan("gather", [], [], perm, runs)
+    return _SdpaPlan("gather", [], [], perm, runs, contiguous)
+
+
+def contiguous_documents(doc_ids: Tensor, B: int) -> bool:
+    """Every document of ``doc_ids`` (B or 1, S) is one run of consecutive tokens (the packer's
+    layout). A sliding window counts positions in the row, so only then is it each document's
+    own band. Reads the grouping :func:`per_document_sdpa` caches (no extra work)."""
+    return cached_plan("sdpa", doc_ids, B, _sdpa_plan).contiguous
 
 
 def softcap_sdpa(
@@ -235,6 +246,85 @@ def sdpa(
     )
 
 
+# Queries per chunk of a long document under a sliding window, at least window + 1 (so only the
+# first chunk reaches before the document's start).
+_WINDOW_CHUNK = 128
+_BANDS: dict[tuple, Tensor] = {}
+_MAX_BANDS = 32
+
+
+def _band(key: tuple, build: Callable[[], Tensor]) -> Tensor:
+    """Band masks depend only on (length, window, chunk, device): built once each, kept few."""
+    hit = _BANDS.get(key)
+    if hit is None:
+        if len(_BANDS) >= _MAX_BANDS:
+            _BANDS.pop(next(iter(_BANDS)))
+        hit = _BANDS[key] = build()
+    return hit
+
+
+def causal_window_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    window: int | None,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None = None,
+) -> Tensor:
+    """Causal attention over whole sequences with a sliding window: q attends kv iff
+    ``0 <= q - kv <= window`` (``window=None``: plain causal).
+
+    Args:
+        q: (N, Hq, L, D); k, v: (N, Hkv, L, D), each of the N sequences one document.
+        window: non-negative int, or None.
+
+    Returns:
+        (N, Hq, L, D). Every query allows its own key, so no row is fully masked.
+    """
+    N, Hq, L, D = q.shape
+    kw = dict(scale=scale, enable_gqa=enable_gqa, softcap=softcap)
+    if window is None or L <= window + 1:  # the window holds the whole document
+        return sdpa(q, k, v, is_causal=True, **kw)
+    w = window
+    c = max(w + 1, _WINDOW_CHUNK)  # queries per chunk
+    n = -(-L // c)
+    dev = q.device
+    if n * c * (c + w) >= L * L:  # chunks would do no less work than one banded (L, L) mask
+        band = _band(("band", L, w, dev), lambda: _banded(L, L, w, 0, dev))
+        return sdpa(q, k, v, attn_mask=band, **kw)
+    # Chunk i holds queries [i*c, (i+1)*c) and keys [i*c - w, (i+1)*c): k and v padded with w
+    # zero keys in front (masked) and the queries' tail padding behind, cut with one strided
+    # unfold. Work: n * c * (c + w) instead of L^2.
+    P = n * c - L
+    qc = F.pad(q, (0, 0, 0, P)).reshape(N, Hq, n, c, D).transpose(1, 2).reshape(N * n, Hq, c, D)
+    kc, vc = (
+        F.pad(x, (0, 0, w, P))
+        .unfold(2, c + w, c)  # (N, Hkv, n, D, c + w)
+        .permute(0, 2, 1, 4, 3)
+        .reshape(N * n, x.shape[1], c + w, D)
+        for x in (k, v)
+    )
+
+    def chunk_band() -> Tensor:
+        band = _banded(c, c + w, w, w, dev).expand(n, 1, c, c + w).clone()
+        band[0, :, :, :w] = False  # the first chunk's front keys are padding
+        return band
+
+    band = _band(("chunks", n, c, w, dev), chunk_band)  # (n, 1, c, c + w)
+    attn_mask = band.expand(N, n, 1, c, c + w).reshape(N * n, 1, c, c + w)
+    out = sdpa(qc, kc, vc, attn_mask=attn_mask, **kw)  # (N * n, Hq, c, D)
+    return out.reshape(N, n, Hq, c, D).transpose(1, 2).reshape(N, Hq, n * c, D)[:, :, :L]
+
+
+def _banded(Lq: int, Lk: int, w: int, offset: int, device: torch.device) -> Tensor:
+    """(Lq, Lk) bool: query i (at position i + offset among the keys) attends key j iff
+    ``0 <= i + offset - j <= w``."""
+    d = torch.arange(Lq, device=device)[:, None] + offset - torch.arange(Lk, device=device)
+    return (d >= 0) & (d <= w)
+
+
 def _tokens(x: Tensor) -> Tensor:
     """(B, H, S, D) -> (B * S, H, D), the flash-attn token-major layout."""
     B, H, S, D = x.shape
@@ -262,6 +352,7 @@ def per_document_sdpa(
     scale: float | None,
     enable_gqa: bool,
     softcap: float | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """Attention restricted to each document: one SDPA call per document, or per length.
 
@@ -271,12 +362,25 @@ def per_document_sdpa(
             mask's own tensor (not a fresh view) so the grouping is reused across layers.
         causal: also mask keys after the query (in position order inside the document).
         softcap: attention-logit soft-capping (see :func:`softcap_sdpa`); None for none.
+        window: with ``causal``, a sliding window: q attends kv iff ``q - kv <= window``
+            (``document_causal & sliding_window(window)``); documents must be contiguous runs
+            (:func:`contiguous_documents`), where the distance in the row is the distance in
+            the document.
 
     Returns:
         (B, Hq, S, D), 0 on padding tokens.
     """
     B, Hq, S, D = q.shape
+    assert window is None or causal, "a sliding window is only routed here with causal"
     plan = cached_plan("sdpa", doc_ids, B, _sdpa_plan)
+
+    def run(qd: Tensor, kd: Tensor, vd: Tensor) -> Tensor:  # (n, H, L, D) documents
+        if causal:
+            return causal_window_sdpa(
+                qd, kd, vd, window, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+            )
+        return sdpa(qd, kd, vd, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
+
     # Head-major (H, B * S, D): free for B == 1, and every (document, head) block is a
     # contiguous (L, D) matrix after the gather, the layout SDPA's CPU kernel is fastest on.
     qh, kh, vh = (_heads(x) for x in (q, k, v))
@@ -288,11 +392,7 @@ def per_document_sdpa(
             *(torch.split(x, plan.sizes, dim=1) for x in (qh, kh, vh)), plan.is_doc, strict=True
         ):
             if is_doc:
-                od = sdpa(
-                    qd[None], kd[None], vd[None], is_causal=causal, scale=scale,
-                    enable_gqa=enable_gqa, softcap=softcap,
-                )  # fmt: skip
-                outs.append(od[0])
+                outs.append(run(qd[None], kd[None], vd[None])[0])
             else:
                 outs.append(qd.new_zeros(qd.shape))
         out = torch.cat(outs, dim=1)
@@ -308,7 +408,7 @@ def per_document_sdpa(
         qd, kd, vd = (
             x.reshape(x.shape[0], count, length, D).transpose(0, 1) for x in (qd, kd, vd)
         )  # (n, H, L, D)
-        od = sdpa(qd, kd, vd, is_causal=causal, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
+        od = run(qd, kd, vd)
         outs.append(od.transpose(0, 1).reshape(Hq, count * length, D))
     out = q.new_zeros(Hq, B * S, D)
     if outs:

@@ -279,12 +279,15 @@ def test_dispatch_on_cpu():
         assert _choose_path(q, k, v, spec, "flex") == "flex"
     causal_spec = _mask_spec(masks.causal(), q)
     assert _choose_path(q, k, v, causal_spec, "auto") == "sdpa_causal"
-    # Other masks: compiled flex without grad (block sparsity), dense SDPA with grad.
+    # document_causal & sliding_window: each document's own band (tests/test_attention_window.py)
     window_spec = _mask_spec(mask & masks.sliding_window(3), q)
-    assert _choose_path(q, k, v, window_spec, "auto") == "sdpa_dense"
+    assert _choose_path(q, k, v, window_spec, "auto") == "sdpa_document_window"
+    # Other masks: compiled flex without grad (block sparsity), dense SDPA with grad.
+    other_spec = _mask_spec(masks.document(DOC_IDS) & masks.sliding_window(3), q)
+    assert _choose_path(q, k, v, other_spec, "auto") == "sdpa_dense"
     qd, kd, vd = (x.detach() for x in (q, k, v))
-    assert _choose_path(qd, kd, vd, window_spec, "auto") == "flex"
-    assert _choose_path(qd, kd, vd, window_spec, "sdpa") == "sdpa_dense"
+    assert _choose_path(qd, kd, vd, other_spec, "auto") == "flex"
+    assert _choose_path(qd, kd, vd, other_spec, "sdpa") == "sdpa_dense"
 
 
 def test_backend_errors_name_the_fix():

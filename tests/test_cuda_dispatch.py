@@ -330,14 +330,15 @@ DOC = torch.tensor([[0] * 12 + [1] * 16 + [-1] * 4])
 
 
 @pytest.mark.parametrize(
-    ("D", "path"), [(64, "varlen"), (8, "varlen"), (256, "varlen"), (12, "flex"), (264, "flex")]
+    ("D", "path"),
+    [(64, "varlen"), (8, "varlen"), (256, "varlen"), (12, "flex"), (264, "sdpa_document")],
 )
 def test_varlen_only_for_head_dims_flash_attention_takes(monkeypatch, D, path):
     monkeypatch.setattr(_attention_flex, "varlen_available", lambda device: True)
     spec = _mask_spec(masks.document(DOC) & masks.causal(), torch.empty(1, 4, 32, D))
     q = _fake(D=D)
-    assert _choose_path(q, q, q, spec, "auto") == path
-    if path == "flex":
+    assert _choose_path(q, q, q, spec, "auto") == path  # above 256: past flex's kernels too
+    if path != "varlen":
         with pytest.raises(ValueError, match=f"multiples of 8 up to 256 \\(q has {D}\\)"):
             _choose_path(q, q, q, spec, "varlen")
 
@@ -374,8 +375,9 @@ def test_a_mask_description_becomes_one_block_mask_per_forward():
     spec = _mask_spec(masks.document(DOC) & masks.sliding_window(5), torch.empty(1, 1, 32, 16))
     first = _flex_block_mask(spec, 32, torch.device("cpu"))
     assert _flex_block_mask(spec, 32, torch.device("cpu")) is first  # the next layers
-    spec.mask.doc_ids[0, -1] = 1  # the mask's own ids edited in place: rebuilt
-    assert _flex_block_mask(spec, 32, torch.device("cpu")) is not first
+    spec.mask.doc_ids[0, -1] = 1  # the mask's own ids edited in place: refused, never stale
+    with pytest.raises(ValueError, match="modified in place"):
+        _flex_block_mask(spec, 32, torch.device("cpu"))
 
 
 def test_a_block_mask_moved_with_to_reads_its_tensors_on_the_new_device():
@@ -477,5 +479,6 @@ def test_mask_to_sees_in_place_edits():
     assert m.to("meta") is first
     d[0, 0] = 1  # the caller's tensor: the mask keeps its own copy, so nothing changes
     assert m.to("meta") is first
-    m.doc_ids[0, 0] = 1  # the mask's own copy edited in place: the copy on "meta" is stale
-    assert m.to("meta") is not first
+    m.doc_ids[0, 0] = 1  # the mask's own copy edited in place: refused, never stale
+    with pytest.raises(ValueError, match="modified in place"):
+        m.to("meta")
