@@ -129,6 +129,7 @@ def tree_logps(
     is_top1: bool = False,
     cast_lm_head_to_fp32: bool = False,
     chunk_size: int = 1024,
+    backend: str = "auto",
 ) -> RolloutLogps:
     """One forward of a transformers causal LM over packed trees; per-rollout log-probs.
 
@@ -144,6 +145,8 @@ def tree_logps(
         trees: from :func:`flexpack.trees.pack_padded`, on the model's device.
         temperature, entropy, mean_logits, is_top1, chunk_size: as in ``rollout_logps``.
         cast_lm_head_to_fp32: run the LM head in float32 outside autocast (TRL's option).
+        backend: the ``flexpack.attention`` backend of the tree forward ("auto": compiled flex
+            on CUDA, one SDPA call per segment elsewhere; "sdpa": per segment everywhere).
 
     Returns:
         :class:`flexpack.trees.RolloutLogps`; ``trees.scatter`` puts its fields in (B, C).
@@ -174,17 +177,15 @@ def tree_logps(
     device = inner.get_output_embeddings().weight.device
     if batch.input_ids.device != device:
         batch = batch.to(device)
+    # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
+    # flex path, padded to a bucket length, so batches of new lengths do not recompile.
     mask = batch.mask()
-    on_cuda = device.type == "cuda"
-    if on_cuda:  # built once per forward; every layer's flex call reuses it
-        mask = mask.block_mask()
     with _attn_implementation(inner, name):
         out = inner.base_model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             flexpack_mask=mask,
-            # Off CUDA: one SDPA call per segment, with or without grad (no flex compile).
-            flexpack_backend="auto" if on_cuda else "sdpa",
+            flexpack_backend=backend,
             use_cache=False,
         )
     hidden = out.last_hidden_state  # (R, S, H)
@@ -221,6 +222,9 @@ class TreeStats:
 
 class _TreeMixin:
     """What the three trainers share: the construction check, the fallback warning, the stats."""
+
+    #: ``flexpack.attention`` backend of the tree forwards (see :func:`tree_logps`).
+    flexpack_backend: str = "auto"
 
     def _flexpack_init(self) -> None:
         _check_switchable(self.model, "the model")
@@ -330,6 +334,7 @@ def _per_token_logps_and_entropies(
             temperature=self.temperature,
             entropy=compute_entropy,
             cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+            backend=self.flexpack_backend,
         )
     logps = trees.scatter(r.logps)
     entropies = trees.scatter(r.entropies) if compute_entropy else None
@@ -410,7 +415,7 @@ class _TreeCaller:
         self.trainer._flexpack_count(trees, tuple(input_ids.shape))
         r = tree_logps(
             self.trainer.accelerator.unwrap_model(self.model), trees, entropy=self.extras,
-            mean_logits=self.extras, is_top1=self.extras,
+            mean_logits=self.extras, is_top1=self.extras, backend=self.trainer.flexpack_backend,
         )  # fmt: skip
         B, S = input_ids.shape
         C = trees.completion_mask.shape[1]
