@@ -130,3 +130,17 @@ def test_tree_mask_on_a_window_needs_position_ids():
         flexpack_attention_forward(
             attn, q, k, v, None, flexpack_mask=batch.mask(), sliding_window=4
         )
+
+
+def test_document_flexpack_mask_on_a_window_layer_keeps_the_window():
+    """A prebuilt document mask (not a tree) gets document & causal & window, as doc_ids do
+    (tests/test_hf_integration.py checks that path against each document alone)."""
+    model, _ = build("mistral")
+    doc_ids = torch.tensor([[0] * 9 + [1] * 7])
+    ids = torch.randint(1, 96, (1, 16), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    mask = flexpack.masks.document(doc_ids) & flexpack.masks.causal()
+    # With grad: the SDPA paths (no flex compile on CPU).
+    got = model(input_ids=ids, position_ids=pos, flexpack_mask=mask, use_cache=False).logits
+    want = model(input_ids=ids, position_ids=pos, doc_ids=doc_ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

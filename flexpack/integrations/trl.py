@@ -47,6 +47,13 @@ def _import_trl():
             "flexpack.integrations.trl needs trl; install it with `pip install 'flexpack[trl]'` "
             "(or `pip install trl`)."
         ) from e
+    import trl.trainer.utils as utils
+
+    if not hasattr(utils, "add_fused_lm_head"):
+        raise ImportError(
+            f"flexpack.integrations.trl adapts the log-prob seams of TRL >= 1.16 (its fused LM "
+            f"head), got trl {trl.__version__}; upgrade with `pip install -U trl`."
+        )
     return trl
 
 
