@@ -159,19 +159,28 @@ def tree_logps(
         :class:`flexpack.trees.RolloutLogps`; ``trees.scatter`` puts its fields in (B, C).
 
     Example:
-        >>> import torch, transformers                                       # doctest: +SKIP
-        >>> from flexpack.trees import pack_padded                           # doctest: +SKIP
-        >>> trees = pack_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        >>> logps = trees.scatter(tree_logps(model, trees).logps)  # (B, C)  # doctest: +SKIP
+        >>> import torch, transformers
+        >>> from flexpack.trees import pack_padded
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=32,
+        ...     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+        >>> prompts, completions = torch.tensor([[0, 5, 6]] * 2), torch.tensor([[7, 8], [9, 0]])
+        >>> trees = pack_padded(prompts, prompts != 0, completions, completions != 0)
+        >>> trees.scatter(tree_logps(model, trees).logps).shape  # (B, C), TRL's layout
+        torch.Size([2, 2])
     """
     from flexpack.integrations.transformers import register
 
     name = register()
     inner = _inner(model)
+    checkpointing = (
+        "is_activation_checkpointing"  # transformers >= 5.x; the older name warns there
+        if hasattr(type(inner), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     if (
         inner.config._attn_implementation != name
         and torch.is_grad_enabled()
-        and getattr(inner, "is_gradient_checkpointing", False)
+        and getattr(inner, checkpointing, False)
     ):
         raise ValueError(
             "tree_logps with grad on a gradient-checkpointed model whose attn_implementation is "
