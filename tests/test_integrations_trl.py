@@ -321,3 +321,28 @@ def test_grpo_seam_on_the_fake_cuda_device(model_dir, tokenizer, tmp_path, fake_
     # Grouping prompts by their tokens reads them on the host (a few copies per batch), and the
     # tree layout is read once per forward, not once per layer.
     assert len(syncs) < 40, syncs
+
+
+def test_ddp_wrapped_model_takes_trls_path(model_dir, tokenizer, tmp_path):
+    """DDP syncs gradients only through its own forward, which the tree forward would bypass:
+    a DDP-wrapped model takes TRL's path (exact), with a warning, never silently unsynced."""
+    import socket
+
+    import torch.distributed as dist
+
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
+        ids, mask, C = rl_batch()
+        with pytest.warns(UserWarning, match="DistributedDataParallel"), torch.no_grad():
+            lp, _, _ = trainer._get_per_token_logps_and_entropies(ddp, ids, mask, C)
+            want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, ddp, ids, mask, C
+            )
+        assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+    finally:
+        dist.destroy_process_group()
