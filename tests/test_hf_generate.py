@@ -38,6 +38,12 @@ def build(kind: str, reference: str = "sdpa"):
     elif kind == "mistral":
         config = transformers.MistralConfig(**SMALL, sliding_window=4)
         cls = transformers.MistralForCausalLM
+    elif kind == "gemma3":  # per-layer windows and rope bases
+        config = transformers.Gemma3TextConfig(
+            **SMALL, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.Gemma2Config(
             **SMALL, head_dim=8, sliding_window=4, attn_logit_softcapping=2.0,
@@ -97,7 +103,7 @@ def test_direct_call_with_more_keys_than_queries_is_bottom_right_causal():
     torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3"])
 def test_tree_mask_keeps_the_sliding_window(kind):
     """Rollouts longer than the window: each path's log-probs equal the rollout run alone."""
     model, ref = build(kind, "eager")
