@@ -448,6 +448,14 @@ def flex_row_length(S: int) -> int:
 _PADDED: dict[tuple, tuple[Any, tuple[int, ...], Any]] = {}
 
 
+def _excludes_padding(mask: Any) -> bool:
+    """Whether no token of id -1 attends or is attended under ``mask`` (so padded ids alone
+    mask a padded tail)."""
+    if mask.kind in _PADDING_EXCLUDED:
+        return True
+    return mask.kind == "and" and any(_excludes_padding(c) for c in mask.children)
+
+
 def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -> _MaskSpec:
     """The spec of ``mask`` padded from S to S_flex tokens: same pairs on the first S tokens,
     and nothing attends to the tail or from it (built once per mask and bucket)."""
@@ -460,7 +468,7 @@ def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -
         n = S_flex - S
 
         def pad(t: Tensor | None) -> Tensor | None:
-            if t is None or t.dim() == 0:
+            if t is None or t.dim() == 0 or n == 0:
                 return t  # a window limit
             # (B, S) doc / segment ids and prefix flags; (B, S + 1) tree ends: -1 / False
             return F.pad(t, (0, n), value=False if t.dtype == torch.bool else -1)
@@ -470,7 +478,7 @@ def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -
         tail = torch.zeros(rows, S_flex, dtype=torch.int32, device=device)
         tail[:, S:] = -1  # a fill on the device: no host-to-device copy
         padded = mask._rebuilt(pad)
-        if padded.kind not in _PADDING_EXCLUDED:
+        if not _excludes_padding(padded):
             padded = padded & _masks.padding(tail)
         if versions is not None:
             if len(_PADDED) >= _MAX_BLOCK_MASKS:
@@ -587,12 +595,16 @@ def attention(
             # flex_attention rejects CPU inputs that require grad even under no_grad, where no
             # graph is recorded anyway.
             q, k, v = q.detach(), k.detach(), v.detach()
-        S_flex = flex_row_length(S) if isinstance(spec.mask, _masks.Mask) else S
-        if spec.block_mask is None and S_flex != S:
+        S_flex = S
+        if spec.block_mask is None and isinstance(spec.mask, _masks.Mask):
             # Rows padded to the bucket length (the tail masked as padding): one compiled graph
-            # per bucket instead of one per S.
-            spec = _padded_spec(spec.mask, S, S_flex, q.device)
-            q, k, v = (F.pad(x, (0, 0, 0, S_flex - S)) for x in (q, k, v))
+            # per bucket instead of one per S. Masks that need a padding factor for the tail
+            # get it at every S, so that a row of exactly a bucket length runs the same graph.
+            S_flex = flex_row_length(S)
+            if S_flex != S or not _excludes_padding(spec.mask):
+                spec = _padded_spec(spec.mask, S, S_flex, q.device)
+            if S_flex != S:
+                q, k, v = (F.pad(x, (0, 0, 0, S_flex - S)) for x in (q, k, v))
         block_mask = _flex_block_mask(spec, S_flex, q.device)
         out = _attention_flex.flex(
             q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap

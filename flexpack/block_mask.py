@@ -153,19 +153,19 @@ def _narrow(doc_ids: Tensor) -> Tensor:
 
 
 def _rows_sorted(doc_ids: Tensor) -> bool:
-    """Whether the real (>= 0) ids of every row are non-decreasing (host syncs)."""
+    """Whether the real (>= 0) ids of every row are non-decreasing (one host sync)."""
     d = _narrow(doc_ids)
     real = d >= 0
     both = real[:, 1:] & real[:, :-1]
-    if not bool(torch.all(~both | (d[:, 1:] >= d[:, :-1]))):
-        return False
-    # Adjacent real tokens are ordered. Without a real token right after padding (packer
-    # layouts: padding at the row end) that is the whole answer; otherwise compare every real
-    # token with the running maximum before it.
-    if not bool((real[:, 1:] & ~real[:, :-1]).any()):
-        return True
+    # Adjacent real tokens ordered is the whole answer without a real token right after
+    # padding (packer layouts: padding at the row end); otherwise every real token must equal
+    # the running maximum before it. Both answers come back in one transfer.
+    adjacent = torch.all(~both | (d[:, 1:] >= d[:, :-1]))
+    gap = (real[:, 1:] & ~real[:, :-1]).any()
     running = torch.cummax(torch.where(real, d, -1), dim=-1).values
-    return bool(torch.all(~real | (d == running)))
+    monotone = torch.all(~real | (d == running))
+    adjacent, gap, monotone = torch.stack([adjacent, gap, monotone]).tolist()
+    return adjacent and (not gap or monotone)
 
 
 def _nonempty_generic(doc_ids: Tensor, block_size: int) -> Tensor:

@@ -86,6 +86,9 @@ class TreeBatch:
     _sources: Tensor = field(repr=False)
     _rollout_targets: Tensor = field(repr=False)
     _rollout_valid: Tensor = field(repr=False)
+    # (R, S + 1) subtree ends of flexpack.masks.tree, computed on the host when the batch moves
+    # (the validation reads the layout on the host): mask() on the device then syncs nothing.
+    _tree_ends: Tensor | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -104,6 +107,8 @@ class TreeBatch:
             >>> pack_trees([([1, 2], [[3], [4]])], max_len=4).mask().kind
             'tree'
         """
+        if self._tree_ends is not None and self._tree_ends.device == self.segment_ids.device:
+            return _masks._tree_from_tables(self.segment_ids.clone(), self._tree_ends)
         return _masks.tree(self.segment_ids, self.parents)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TreeBatch:
@@ -128,7 +133,12 @@ class TreeBatch:
                 "_rollout_valid",
             )
         }
-        return TreeBatch(num_tokens=self.num_tokens, **moved)
+        ends = self._tree_ends
+        if ends is None and self.segment_ids.device.type == "cpu":
+            ends = self.mask()._tree_ends  # validated here, on the host, once
+        if ends is not None:
+            ends = ends.to(device, non_blocking=non_blocking)
+        return TreeBatch(num_tokens=self.num_tokens, **moved, _tree_ends=ends)
 
     def gather_logps(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Per-rollout log-probs of the rollout tokens from the logits of the packed rows.

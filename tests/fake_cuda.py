@@ -171,6 +171,15 @@ class FakeCudaTensor(Tensor):
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         return self.numpy()
 
+    def type(self, dtype: Any = None, non_blocking: bool = False, **kw: Any) -> Any:
+        if dtype is None:
+            return self._elem.type().replace("torch.", "torch.cuda.", 1)
+        if isinstance(dtype, str):  # "torch.cuda.BFloat16Tensor", as type_as(other) passes
+            on_cuda = ".cuda." in dtype
+            dtype = torch.empty(0).type(dtype.replace("torch.cuda.", "torch.")).dtype
+            return self.to(dtype) if on_cuda else self.to(_CPU).to(dtype)
+        return self.to(dtype)
+
     def tolist(self) -> Any:
         _record("tolist")
         with _paused():
@@ -293,7 +302,7 @@ def _is_bool_index(i: Any) -> bool:
 
 
 def _is_cuda(device: Any) -> bool:
-    if device is None:
+    if device is None or isinstance(device, bool):
         return False
     if isinstance(device, int):
         return True
@@ -302,6 +311,11 @@ def _is_cuda(device: Any) -> bool:
 
 def _where_cpu(x: Tensor) -> str:
     return f"a CPU tensor of shape {tuple(x.shape)} ({x.dtype})"
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _check_devices(func, args, kwargs) -> bool:
@@ -321,6 +335,11 @@ def _check_devices(func, args, kwargs) -> bool:
                 allowed.add(id(i))
                 if i.dim() > 0:
                     _record(f"{func.__name__} with CPU indices (pageable host->device copy)")
+    if _in_backward():
+        # Backward formulas make their temporaries from ``grad.options()``, whose device is
+        # the CPU underneath a fake gradient (on a GPU they would be on the GPU): a CPU tensor
+        # next to a fake one in a backward is such a temporary, and the result is fake.
+        return True
     for x in flat:
         if not isinstance(x, Tensor) or isinstance(x, FakeCudaTensor) or id(x) in allowed:
             continue
@@ -344,11 +363,6 @@ def _count_syncs(func, args, kwargs) -> None:
     elif func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
         if any(_is_bool_index(i) for i in (args[1] or ())):
             _record(f"boolean-mask {'indexing' if func is aten.index.Tensor else 'assignment'}")
-    elif func is aten._to_copy.default:
-        src = args[0]
-        if isinstance(src, FakeCudaTensor) and not _is_cuda(kwargs.get("device", CUDA)):
-            if not kwargs.get("non_blocking", False):
-                _record("device->host copy")
     elif func is aten.copy_.default:
         dst, src = args[0], args[1]
         non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
@@ -368,8 +382,10 @@ def _dispatch(func, args, kwargs):
     wrappers = {
         id(x._elem): x for x in tree_flatten((args, kwargs))[0] if isinstance(x, FakeCudaTensor)
     }
-    to_host = func is aten._to_copy.default and not _is_cuda(kwargs.get("device", CUDA))
-    if func is aten._to_copy.default and not to_host:
+    # ``_to_copy(fake, device=cpu)`` reaching here comes from C++ (a backward's
+    # ``grad.to(self.options())``, whose device is the CPU underneath): it stays on the fake
+    # device. Copies to the host made in Python go through the patched ``Tensor.to``.
+    if func is aten._to_copy.default:
         kwargs = {**kwargs, "device": _CPU}
     elif _is_cuda(kwargs.get("device")):
         kwargs = {**kwargs, "device": _CPU}
@@ -378,7 +394,7 @@ def _dispatch(func, args, kwargs):
     cpu_dst = func is aten.copy_.default and not isinstance(args[0], FakeCudaTensor)
     with _paused():
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
-    if to_host or cpu_dst:
+    if cpu_dst:
         return out
 
     def wrap(x: Any) -> Any:
@@ -472,6 +488,8 @@ def _parse_to(args: tuple, kwargs: dict) -> tuple[Any, Any]:
     device = kwargs.get("device")
     dtype = kwargs.get("dtype")
     for a in args:
+        if isinstance(a, bool) or a is None:  # non_blocking / copy, or Module.to's device=None
+            continue
         if isinstance(a, torch.dtype):
             dtype = a
         elif isinstance(a, str | torch.device | int):

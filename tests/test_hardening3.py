@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 import flexpack
 from flexpack import masks as fm
@@ -242,3 +244,28 @@ def test_docs_say_trls_packing_default_as_trl_has_it(tmp_path):
     default = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True).packing
     assert f"`packing={default}` is TRL's default" in page
     assert "TRL's defaults: `packing=True`" not in page
+
+
+_INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+
+
+@given(data=st.data())
+def test_property_from_eos_matches_a_python_reference_or_refuses(data):
+    # The reference counts, in Python ints (no wrapping), the EOS tokens strictly before each
+    # token; an eos_id the dtype cannot hold is refused instead of compared with wrapping.
+    dtype = data.draw(st.sampled_from(_INT_DTYPES))
+    info = torch.iinfo(dtype)
+    row = data.draw(st.lists(st.integers(info.min, info.max), min_size=1, max_size=12))
+    eos = data.draw(
+        st.one_of(st.sampled_from(row), st.integers(-(2**65), 2**65), st.integers(-3, 300))
+    )
+    x = torch.tensor([row], dtype=torch.int64).to(dtype)
+    if not info.min <= eos <= info.max:
+        with pytest.raises(ValueError, match="cannot occur in input_ids"):
+            flexpack.PackedLayout.from_eos(x, eos)
+        return
+    want, seen = [], 0
+    for t in row:
+        want.append(seen)
+        seen += t == eos
+    assert flexpack.PackedLayout.from_eos(x, eos).doc_ids.tolist() == [want]

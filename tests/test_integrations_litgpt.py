@@ -631,6 +631,39 @@ def test_packed_data_module_points_pretraining_streams_to_from_eos():
         data.setup()
 
 
+# ----------------------------------------------------------------------------- on CUDA (faked)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_packed_forward_on_cuda_syncs_at_most_once(fake_cuda, kind):
+    # The faked CUDA device of tests/fake_cuda.py, kernels recorded (tests/test_fake_cuda_paths):
+    # Llama in bf16 reaches varlen, Gemma 2 (softcap) flex; one sync per forward at most.
+    import torch.nn.attention.varlen as varlen_module
+    from test_fake_cuda_paths import Recorder
+
+    from flexpack import _attention_flex
+
+    model = make_model(kind).to(torch.bfloat16)
+    batch = packed_docs([7, 13, 4, 9, 11, 3], max_len=24)
+    with torch.no_grad():
+        want = packed_forward(model, batch.input_ids, batch.doc_ids, backend="sdpa")
+    rec = Recorder(fake_cuda)
+    _attention_flex.compiled_flex_attention.cache_clear()
+    real_flex, real_varlen = _attention_flex.compiled_flex_attention, varlen_module.varlen_attn
+    _attention_flex.compiled_flex_attention, varlen_module.varlen_attn = rec.flex, rec.varlen_attn
+    try:
+        model.to("cuda")
+        ids, doc_ids = fake_cuda.to(batch.input_ids), fake_cuda.to(batch.doc_ids)
+        with torch.no_grad(), fake_cuda.count() as syncs:
+            got = packed_forward(model, ids, doc_ids)
+    finally:
+        _attention_flex.compiled_flex_attention, varlen_module.varlen_attn = real_flex, real_varlen
+    assert len(syncs) <= 1, syncs
+    assert {c.kernel for c in rec.calls} == ({"varlen"} if kind == "llama" else {"flex"})
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=0.1, rtol=0.05)
+
+
 # ----------------------------------------------------------------------------- issue 20
 
 

@@ -476,3 +476,65 @@ def test_packed_qwen_rows_under_bf16_autocast_stay_within_bf16_noise_of_each_sam
         (per_sample(leaky, sample_ids, i).float() - w).abs().max() for i, w in enumerate(want)
     )
     assert err < 0.05 < leak
+
+
+# ----------------------------------------------------------------------------- CUDA (faked)
+
+
+def test_gemma3_row_attention_on_the_faked_cuda_device(fake_cuda, monkeypatch):
+    """A packed Gemma 3 row's text attention on CUDA: the image-span mask is built on the
+    device (one host sync, the window's) and runs on compiled flex (replaced by a dense
+    recorder: Triton kernels are not faked); the vision tower's calls stay sdpa, on the device."""
+    from fake_cuda import to_cpu, to_fake_cuda
+
+    from flexpack import _attention_flex
+
+    calls = []
+
+    def recorded_flex(config):
+        def run(q, k, v, *, score_mod, block_mask, scale, enable_gqa):
+            calls.append(block_mask)
+            assert q.is_cuda and block_mask.kv_num_blocks.is_cuda and score_mod is None
+            B, _, S, _ = q.shape
+            with fake_cuda.paused():
+                at = torch.arange(S, device=q.device)
+                b = torch.arange(B, device=q.device).view(B, 1, 1, 1)
+                allowed = block_mask.mask_mod(b, b * 0, at.view(1, 1, S, 1), at.view(1, 1, 1, S))
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=allowed, scale=scale, enable_gqa=enable_gqa
+                )
+                return torch.where(allowed.any(-1, keepdim=True), out, 0.0)
+
+        return run
+
+    monkeypatch.setattr(_attention_flex, "compiled_flex_attention", recorded_flex)
+    with fake_cuda.paused():
+        model = tiny_gemma3("sdpa")
+        (row,) = pack_multimodal(gemma_samples()[:3], 40, model=model)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 40, 8, generator=g)
+    k, v = torch.randn(2, 1, 2, 40, 8, generator=g).unbind(0)
+    text = model.model.language_model.layers[0].self_attn  # a sliding layer, causal
+    for window in (6, None):
+        cpu_kwargs = {"doc_ids": row["doc_ids"], "image_span_ids": row["image_span_ids"]}
+        want, _ = flexpack_attention_forward(
+            text, q.requires_grad_(), k, v, None, sliding_window=window, **cpu_kwargs
+        )  # CPU with grad: the dense SDPA path
+        on_gpu = {name: to_fake_cuda(t) for name, t in cpu_kwargs.items()}
+        with fake_cuda.count() as syncs:
+            multimodal._image_span_mask(torch.device("cuda", 0), 1, 40, None,
+                                        dict(on_gpu, sliding_window=window), True)  # fmt: skip
+        # The one sync: the window's 0-d tensor, made on the host by masks.sliding_window and
+        # copied to the doc ids' device when composed (once per forward, as in _build_mask).
+        assert [s.op for s in syncs] == ["host->device copy from pageable memory"] * bool(window)
+        with torch.no_grad():
+            got, _ = flexpack_attention_forward(
+                text, *(to_fake_cuda(t.detach()) for t in (q, k, v)), None,
+                sliding_window=window, **on_gpu,
+            )  # fmt: skip
+        assert got.is_cuda and (to_cpu(got) - want).abs().max() < 1e-5
+    assert len(calls) == 2
+    vision = next(m for n, m in model.named_modules() if n.endswith("encoder.layers.0.self_attn"))
+    x = to_fake_cuda(torch.randn(3, 2, 2, 16, 8, generator=g))
+    out, _ = flexpack_attention_forward(vision, x[0], x[1], x[2], None, **on_gpu)
+    assert out.is_cuda and out.shape == (2, 16, 2, 8)
