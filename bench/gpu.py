@@ -801,6 +801,10 @@ def main(argv: list[str] | None = None) -> int:
     if seconds is None and not args.dry_run:
         seconds = QUICK_BUDGET_S if args.quick else FULL_BUDGET_S
     budget = Budget(seconds)
+
+    from flexpack import _compat
+
+    print("\n".join(_compat.describe()), flush=True)  # torch, triton, fallbacks in use
     if args.dry_run:
         device = torch.device("cpu")
         sizes, H, D, median, S_check = args.sizes or [256], 2, 16, 32, 150

@@ -158,6 +158,7 @@ def bench_sliding(args, transformers, flexpack_name) -> list[tuple]:
                     vocab=vocab,
                 )  # fmt: skip
                 runs.setdefault(attn, []).append(run_sft(args, model, data, tok))
+                print(f"# {family} {attn}: {runs[attn][-1][0]:.3f} s / step", flush=True)
         for attn, results in runs.items():
             step = sorted(r[0] for r in results)[len(results) // 2]
             tps = sorted(r[1] for r in results)[len(results) // 2]

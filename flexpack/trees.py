@@ -750,7 +750,7 @@ class _ChunkedHead(torch.autograd.Function):
     time; backward recomputes each chunk's logits, so only (chunk, V) tensors ever exist."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, tf, chunk):  # type: ignore[override]
+    def forward(ctx, hidden, weight, bias, tokens, tf, chunk, extra):  # type: ignore[override]
         ctx.set_materialize_grads(False)
         T = hidden.shape[0]
         acc = torch.promote_types(tf[3], torch.float32)  # float32 (float64 for float64)
@@ -762,9 +762,13 @@ class _ChunkedHead(torch.autograd.Function):
             log_z = torch.logsumexp(z, dim=-1)
             target = z.gather(-1, tok[:, None])[:, 0]
             lp[a : a + chunk] = target - log_z
-            ent[a : a + chunk] = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)
-            mean[a : a + chunk] = z.mean(-1)
-            top1[a : a + chunk] = (z.argmax(-1) == tok).to(acc)
+            want_entropy, want_mean, want_top1 = extra  # (zeros where not asked for)
+            if want_entropy:
+                ent[a : a + chunk] = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if want_mean:
+                mean[a : a + chunk] = z.mean(-1)
+            if want_top1:
+                top1[a : a + chunk] = (z.argmax(-1) == tok).to(acc)
         ctx.save_for_backward(hidden, weight, bias, tokens)
         ctx.tf, ctx.chunk = tf, chunk
         ctx.mark_non_differentiable(mean, top1)
@@ -805,6 +809,7 @@ class _ChunkedHead(torch.autograd.Function):
             None if gh is None else gh.to(hidden.dtype),
             None if gw is None else gw.to(weight.dtype),
             None if gb is None else gb.to(bias.dtype),
+            None,
             None,
             None,
             None,
@@ -878,7 +883,8 @@ def rollout_logps(
         else hidden.dtype
     )
     tf = (float(logit_scale), softcap, 1.0 / temperature, compute_dtype)
-    cols = _ChunkedHead.apply(flat[sources], weight, bias, tokens, tf, chunk_size)
+    extra = (bool(entropy), bool(mean_logits), bool(is_top1))
+    cols = _ChunkedHead.apply(flat[sources], weight, bias, tokens, tf, chunk_size, extra)
     index = batch._rollout_targets.to(device)
     valid = batch._rollout_valid.to(device)
 

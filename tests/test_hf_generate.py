@@ -38,6 +38,12 @@ def build(kind: str, reference: str = "sdpa"):
     elif kind == "mistral":
         config = transformers.MistralConfig(**SMALL, sliding_window=4)
         cls = transformers.MistralForCausalLM
+    elif kind == "gemma3":  # per-layer windows and rope bases
+        config = transformers.Gemma3TextConfig(
+            **SMALL, head_dim=8, sliding_window=4,
+            layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        cls = transformers.Gemma3ForCausalLM
     else:
         config = transformers.Gemma2Config(
             **SMALL, head_dim=8, sliding_window=4, attn_logit_softcapping=2.0,
@@ -97,7 +103,7 @@ def test_direct_call_with_more_keys_than_queries_is_bottom_right_causal():
     torch.testing.assert_close(out.transpose(1, 2), want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2"])
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma3"])
 def test_tree_mask_keeps_the_sliding_window(kind):
     """Rollouts longer than the window: each path's log-probs equal the rollout run alone."""
     model, ref = build(kind, "eager")
@@ -130,3 +136,17 @@ def test_tree_mask_on_a_window_needs_position_ids():
         flexpack_attention_forward(
             attn, q, k, v, None, flexpack_mask=batch.mask(), sliding_window=4
         )
+
+
+def test_document_flexpack_mask_on_a_window_layer_keeps_the_window():
+    """A prebuilt document mask (not a tree) gets document & causal & window, as doc_ids do
+    (tests/test_hf_integration.py checks that path against each document alone)."""
+    model, _ = build("mistral")
+    doc_ids = torch.tensor([[0] * 9 + [1] * 7])
+    ids = torch.randint(1, 96, (1, 16), generator=torch.Generator().manual_seed(3))
+    pos = torch.cat([torch.arange(9), torch.arange(7)])[None]
+    mask = flexpack.masks.document(doc_ids) & flexpack.masks.causal()
+    # With grad: the SDPA paths (no flex compile on CPU).
+    got = model(input_ids=ids, position_ids=pos, flexpack_mask=mask, use_cache=False).logits
+    want = model(input_ids=ids, position_ids=pos, doc_ids=doc_ids, use_cache=False).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)

@@ -221,8 +221,8 @@ def dpo_data(n=6, seed=0):
     rows = {"prompt": [], "chosen": [], "rejected": []}
     for i in range(n):
         rows["prompt"].append(words(g, 3 + 2 * i))
-        rows["chosen"].append(words(g, 1 + i % 4))
-        rows["rejected"].append(words(g, 2 + (i * 3) % 5))
+        rows["chosen"].append(" " + words(g, 1 + i % 4))
+        rows["rejected"].append(" " + words(g, 2 + (i * 3) % 5))
     return datasets.Dataset.from_dict(rows)
 
 
@@ -294,3 +294,55 @@ def test_construction_refuses_a_model_that_cannot_switch(tokenizer, tmp_path):
             model=model, reward_funcs=reward, train_dataset=data,
             args=grpo_args(tmp_path, beta=0.0), processing_class=tokenizer,
         )  # fmt: skip
+
+
+def test_grpo_seam_on_the_fake_cuda_device(model_dir, tokenizer, tmp_path, fake_cuda):
+    """The tree forward of the trainer seam on cuda:0 (tests/fake_cuda.py): no mixed-device
+    kernel anywhere, TRL's tensors on the device, the CPU values. (Compiled flex is no part of
+    the fake, so the tree forward runs its per-segment SDPA path: backend "sdpa".)"""
+    from fake_cuda import to_cpu, to_fake_cuda
+
+    with fake_cuda.paused():
+        trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+        ids, mask, C = rl_batch()
+        with torch.no_grad():
+            want = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, C, compute_entropy=True
+            )
+    trainer.flexpack_backend = "sdpa"
+    model = to_fake_cuda(trainer.model)
+    with torch.no_grad(), fake_cuda.count() as syncs:
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids.cuda(), mask.cuda(), C, compute_entropy=True
+        )
+    assert lp.device.type == "cuda" and ent.device.type == "cuda"
+    torch.testing.assert_close(to_cpu(lp), want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(to_cpu(ent), want[1], atol=1e-5, rtol=0)
+    # Grouping prompts by their tokens reads them on the host (a few copies per batch), and the
+    # tree layout is read once per forward, not once per layer.
+    assert len(syncs) < 40, syncs
+
+
+def test_ddp_wrapped_model_takes_trls_path(model_dir, tokenizer, tmp_path):
+    """DDP syncs gradients only through its own forward, which the tree forward would bypass:
+    a DDP-wrapped model takes TRL's path (exact), with a warning, never silently unsynced."""
+    import socket
+
+    import torch.distributed as dist
+
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
+        ids, mask, C = rl_batch()
+        with pytest.warns(UserWarning, match="DistributedDataParallel"), torch.no_grad():
+            lp, _, _ = trainer._get_per_token_logps_and_entropies(ddp, ids, mask, C)
+            want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, ddp, ids, mask, C
+            )
+        assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+    finally:
+        dist.destroy_process_group()

@@ -18,8 +18,9 @@ of the model call (flexpack rows; -1 marks padding), a ``seq_idx`` keyword
 (``DataCollatorWithFlattening(return_seq_idx=True)``), or the ``position_ids`` (a new document
 wherever the position does not go up by one, transformers' own packed-sequence rule, so
 ``DataCollatorWithFlattening`` batches work too). A 2-D ``attention_mask`` marks padding. The mask
-is built once per forward and shared by the layers. transformers is imported lazily, inside the
-functions (extra ``hf``).
+is built once per forward and shared by the layers. ``generate()`` works too: with a KV cache the
+queries meet transformers' own cache mask, so decoding gives ``sdpa``'s tokens. transformers is
+imported lazily, inside the functions (extra ``hf``).
 """
 
 from __future__ import annotations
@@ -476,8 +477,15 @@ def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch
             "Mask (e.g. flexpack.pack_trees(...).mask()) or a BlockMask built from one."
         )
     if recovered.kind != "tree":
-        # Document masks: positions step by one inside a document, so raw indices serve.
-        return recovered & masks.sliding_window(window - 1)
+        # Document masks: positions step by one inside a document, so raw indices serve. Built
+        # once per (mask, window): every sliding layer of the forward shares it.
+        key = ("document", id(recovered), window)
+        hit = _window_cache.get(key)
+        if hit is None or hit[0] is not recovered:
+            if len(_window_cache) > 8:
+                _window_cache.clear()
+            hit = _window_cache[key] = (recovered, recovered & masks.sliding_window(window - 1))
+        return hit[1]
     if not isinstance(position_ids, Tensor):
         raise ValueError(
             f"a tree flexpack_mask on a sliding-window layer (window {window}) needs the rows' "

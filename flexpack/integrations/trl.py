@@ -47,6 +47,13 @@ def _import_trl():
             "flexpack.integrations.trl needs trl; install it with `pip install 'flexpack[trl]'` "
             "(or `pip install trl`)."
         ) from e
+    import trl.trainer.utils as utils
+
+    if not hasattr(utils, "add_fused_lm_head"):
+        raise ImportError(
+            f"flexpack.integrations.trl adapts the log-prob seams of TRL >= 1.16 (its fused LM "
+            f"head), got trl {trl.__version__}; upgrade with `pip install -U trl`."
+        )
     return trl
 
 
@@ -129,6 +136,7 @@ def tree_logps(
     is_top1: bool = False,
     cast_lm_head_to_fp32: bool = False,
     chunk_size: int = 1024,
+    backend: str = "auto",
 ) -> RolloutLogps:
     """One forward of a transformers causal LM over packed trees; per-rollout log-probs.
 
@@ -144,24 +152,35 @@ def tree_logps(
         trees: from :func:`flexpack.trees.pack_padded`, on the model's device.
         temperature, entropy, mean_logits, is_top1, chunk_size: as in ``rollout_logps``.
         cast_lm_head_to_fp32: run the LM head in float32 outside autocast (TRL's option).
+        backend: the ``flexpack.attention`` backend of the tree forward ("auto": compiled flex
+            on CUDA, one SDPA call per segment elsewhere; "sdpa": per segment everywhere).
 
     Returns:
         :class:`flexpack.trees.RolloutLogps`; ``trees.scatter`` puts its fields in (B, C).
 
     Example:
-        >>> import torch, transformers                                       # doctest: +SKIP
-        >>> from flexpack.trees import pack_padded                           # doctest: +SKIP
-        >>> trees = pack_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
-        >>> logps = trees.scatter(tree_logps(model, trees).logps)  # (B, C)  # doctest: +SKIP
+        >>> import torch, transformers
+        >>> from flexpack.trees import pack_padded
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=32,
+        ...     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+        >>> prompts, completions = torch.tensor([[0, 5, 6]] * 2), torch.tensor([[7, 8], [9, 0]])
+        >>> trees = pack_padded(prompts, prompts != 0, completions, completions != 0)
+        >>> trees.scatter(tree_logps(model, trees).logps).shape  # (B, C), TRL's layout
+        torch.Size([2, 2])
     """
     from flexpack.integrations.transformers import register
 
     name = register()
     inner = _inner(model)
+    checkpointing = (
+        "is_activation_checkpointing"  # transformers >= 5.x; the older name warns there
+        if hasattr(type(inner), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
     if (
         inner.config._attn_implementation != name
         and torch.is_grad_enabled()
-        and getattr(inner, "is_gradient_checkpointing", False)
+        and getattr(inner, checkpointing, False)
     ):
         raise ValueError(
             "tree_logps with grad on a gradient-checkpointed model whose attn_implementation is "
@@ -174,17 +193,15 @@ def tree_logps(
     device = inner.get_output_embeddings().weight.device
     if batch.input_ids.device != device:
         batch = batch.to(device)
+    # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
+    # flex path, padded to a bucket length, so batches of new lengths do not recompile.
     mask = batch.mask()
-    on_cuda = device.type == "cuda"
-    if on_cuda:  # built once per forward; every layer's flex call reuses it
-        mask = mask.block_mask()
     with _attn_implementation(inner, name):
         out = inner.base_model(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             flexpack_mask=mask,
-            # Off CUDA: one SDPA call per segment, with or without grad (no flex compile).
-            flexpack_backend="auto" if on_cuda else "sdpa",
+            flexpack_backend=backend,
             use_cache=False,
         )
     hidden = out.last_hidden_state  # (R, S, H)
@@ -221,6 +238,9 @@ class TreeStats:
 
 class _TreeMixin:
     """What the three trainers share: the construction check, the fallback warning, the stats."""
+
+    #: ``flexpack.attention`` backend of the tree forwards (see :func:`tree_logps`).
+    flexpack_backend: str = "auto"
 
     def _flexpack_init(self) -> None:
         _check_switchable(self.model, "the model")
@@ -330,6 +350,7 @@ def _per_token_logps_and_entropies(
             temperature=self.temperature,
             entropy=compute_entropy,
             cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+            backend=self.flexpack_backend,
         )
     logps = trees.scatter(r.logps)
     entropies = trees.scatter(r.entropies) if compute_entropy else None
@@ -410,7 +431,7 @@ class _TreeCaller:
         self.trainer._flexpack_count(trees, tuple(input_ids.shape))
         r = tree_logps(
             self.trainer.accelerator.unwrap_model(self.model), trees, entropy=self.extras,
-            mean_logits=self.extras, is_top1=self.extras,
+            mean_logits=self.extras, is_top1=self.extras, backend=self.trainer.flexpack_backend,
         )  # fmt: skip
         B, S = input_ids.shape
         C = trees.completion_mask.shape[1]
