@@ -132,6 +132,16 @@ def _check_window(window: Any) -> int:
     return window
 
 
+def _moved_to(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """``t`` on ``device``; a 0-d host tensor (a window limit) is filled there instead of
+    copied (on CUDA a pageable host-to-device copy is a stream sync)."""
+    if t is None:
+        return None
+    if t.dim() == 0 and t.device.type == "cpu" and device.type != "cpu":
+        return torch.full((), t.item(), dtype=t.dtype, device=device)
+    return t.to(device)
+
+
 def _same_device(want: torch.device, have: torch.device) -> bool:
     """Whether ``want`` names ``have``'s device: no index means any ("cuda" for "cuda:0")."""
     if want.type != have.type:
@@ -468,11 +478,11 @@ class Mask:
         try:  # an in-place edit of a tensor (new version) makes the cached copy stale
             versions = tuple(t._version for t in self._tensors())
         except RuntimeError:  # inference tensors have no version counter: do not cache
-            return self._rebuilt(lambda t: None if t is None else t.to(dev))
+            return self._rebuilt(lambda t: _moved_to(t, dev))
         hit = self._moved.get(dev)
         if hit is not None and hit[0] == versions:
             return hit[1]
-        moved = self._rebuilt(lambda t: None if t is None else t.to(dev))
+        moved = self._rebuilt(lambda t: _moved_to(t, dev))
         self._moved[dev] = (versions, moved)
         return moved
 

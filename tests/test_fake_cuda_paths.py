@@ -463,7 +463,7 @@ def test_transformers_on_cuda_syncs_at_most_once_per_forward(fake_cuda, kernels,
     from flexpack.integrations.transformers import packed_forward_kwargs, register
 
     common = dict(
-        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         attn_implementation=register(),
     )  # fmt: skip
@@ -487,9 +487,13 @@ def test_transformers_on_cuda_syncs_at_most_once_per_forward(fake_cuda, kernels,
     kwargs = {k: fake_cuda.to(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     with torch.no_grad(), fake_cuda.count() as syncs:
         got = model(**kwargs).logits
-    assert len(syncs) <= 1, syncs
+    # transformers' own packed-sequence detection (masking_utils) syncs once; flexpack's part:
+    # one per mask the forward builds (Gemma 2: its sliding layers' and its full layers').
+    ours = [s for s in syncs if "transformers/masking_utils" not in s.where]
+    assert len(ours) <= (1 if model_type == "llama" else 2), ours
     kinds = {c.kernel for c in kernels.calls}
     assert kinds == ({"varlen"} if model_type == "llama" else {"flex"})
-    # Per layer nothing: every kernel call after the first found the sync count unchanged.
-    assert len({c.syncs_before for c in kernels.calls}) == 1
+    # Per layer nothing: after each mask's first layer, the sync count never moves again.
+    assert len(kernels.calls) == 4
+    assert len({c.syncs_before for c in kernels.calls}) <= (1 if model_type == "llama" else 2)
     torch.testing.assert_close(to_cpu(got).float(), want.float(), atol=6e-2, rtol=6e-2)

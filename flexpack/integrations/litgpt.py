@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from flexpack import masks as _masks
 from flexpack.attention import attention
-from flexpack.layout import PackedLayout
+from flexpack.models.gpt import _positions_in_documents
 
 __all__ = ["PackedDataModule", "PackedGPT", "lr_schedule", "main", "packed_forward"]
 
@@ -222,8 +222,8 @@ def packed_forward(
     n_cached = model.cos.size(0)
     # Layout positions stay below S; positions given by the caller are checked (one host sync).
     check = position_ids is not None or S > n_cached
-    if position_ids is None:
-        position_ids = PackedLayout.from_doc_ids(doc_ids).position_ids
+    if position_ids is None:  # per-document positions, computed on the device: no host sync
+        position_ids = _positions_in_documents(doc_ids)
     position_ids = position_ids.long()
     if check and int(position_ids.max()) >= n_cached:
         raise ValueError(
