@@ -4,7 +4,8 @@ Compilation is lazy and cached (nothing compiles at import). Shapes are fixed
 (``dynamic=False``): a new (B, H, S, D) compiles once more, a new document layout, window or
 softcap at the same shape does not (they are tensors the mask reads). Every configuration
 (device, dtype, grad or not, scale, GQA, softcap, block size) gets its own compiled wrapper with
-its own dynamo cache (``isolate_recompiles``), so ``torch._dynamo.config.recompile_limit`` counts
+its own dynamo cache (``_compat.compile_isolated``: ``isolate_recompiles`` where torch has it, a
+fresh code object on torch 2.11 and 2.12), so ``torch._dynamo.config.recompile_limit`` counts
 the shapes of one configuration, not everything flex_attention ever ran on. Past that limit dynamo
 would silently run flex_attention eagerly, which materializes the whole score matrix (one peer's
 users lost 5x that way); here that case raises instead, naming the guard that failed.
@@ -32,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from flexpack import _compat
 from flexpack._attention_sdpa import _tokens, _untokens, cached_plan, document_groups
 
 
@@ -56,17 +58,13 @@ VARLEN_MAX_HEAD_DIM = 256
 def compiled_flex_attention(config: tuple, dynamic: bool = False):
     """``torch.compile(flex_attention)`` for one configuration, built once, with its own cache.
 
-    ``config`` only keys the cache (device type, dtype, grad, scale, ...). ``isolate_recompiles``
-    gives each wrapper its own dynamo cache entries and recompile count; the limit is
-    ``torch._dynamo.config.recompile_limit`` at call time.
+    ``config`` only keys the cache (device type, dtype, grad, scale, ...).
+    :func:`flexpack._compat.compile_isolated` gives each wrapper its own dynamo cache entries and
+    recompile count; the limit is ``torch._dynamo.config.recompile_limit`` at call time.
     """
     del config
-    return torch.compile(
-        flex_attention,
-        backend=_BACKEND,
-        dynamic=dynamic,
-        fullgraph=True,
-        isolate_recompiles=True,
+    return _compat.compile_isolated(
+        flex_attention, backend=_BACKEND, dynamic=dynamic, fullgraph=True
     )
 
 
@@ -104,8 +102,45 @@ def _reason_handler() -> _RecompileReason:
     return handler
 
 
+_QKV = ("query", "key", "value")
+_DIMS = {
+    "0": (
+        "The number of rows B changed",
+        "keep the rows per batch fixed (pad the batch with all-padding rows, doc ids -1), "
+        "or group batches by row count",
+    ),
+    "1": ("The number of heads changed", "keep the head count fixed"),
+    "2": (
+        "The row length S changed",
+        "pass flexpack.attention a flexpack Mask (it pads S to a bucket length, see "
+        "flexpack.attention), or feed rows of a fixed length (pack to max_len and keep the "
+        "padding)",
+    ),
+    "3": ("The head dim changed", "keep the head dim fixed"),
+}
+
+
+def _fix_for(reason: str | None) -> str:
+    """What the failed guard means, and the fix that applies to it."""
+    text = reason or ""
+    for name in _QKV:
+        if f"'{name}' size mismatch at index " in text:
+            index = text.split(f"'{name}' size mismatch at index ", 1)[1][:1]
+            what, fix = _DIMS.get(index, ("A size of q, k or v changed", "keep shapes fixed"))
+            return f"{what} ({name} dim {index}). Fix: {fix}"
+    if "size mismatch" in text or "stride mismatch" in text:
+        return (
+            "A tensor the mask or score_mod reads changed shape. Fix: give those tensors "
+            "shapes that depend on (B, S) only (flexpack's masks do), not on the layout"
+        )
+    return (
+        "Fix: feed rows of a fixed length (pack to max_len and keep the padding; a few "
+        "bucket lengths at most) and keep mask parameters in tensors"
+    )
+
+
 def recompile_limit_message(reason: str | None, q: Tensor, k: Tensor, block_mask: BlockMask) -> str:
-    """The RecompileLimitError text: the failed guard, this call's inputs, and the fix."""
+    """The RecompileLimitError text: the failed guard, this call's inputs, and the fix for it."""
     what = (
         f"the guard that failed: {reason.strip()}"
         if reason
@@ -117,9 +152,8 @@ def recompile_limit_message(reason: str | None, q: Tensor, k: Tensor, block_mask
         f"and block size each get their own compiled function); {what}. This call: q "
         f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)}, block size {block_mask.BLOCK_SIZE}. "
         "Dynamo would now run flex_attention eagerly, which materializes the full score matrix "
-        "and is many times slower. Fix: feed rows of a fixed length (pack to max_len and keep "
-        "the padding; a few bucket lengths at most) and keep mask parameters in tensors, or "
-        "raise torch._dynamo.config.recompile_limit if you really need more variants."
+        f"and is many times slower. {_fix_for(reason)}; or raise "
+        "torch._dynamo.config.recompile_limit if you really need more variants."
     )
 
 
@@ -134,14 +168,27 @@ def softcap_score_mod(softcap: float, device: torch.device):
     """The flex ``score_mod`` of attention-logit soft-capping: ``cap * tanh(score / cap)``.
 
     The cap is a 0-d tensor the closure reads, not a Python number baked into the graph, so a new
-    value (or a new closure per call) reuses the compiled kernel instead of recompiling.
+    value reuses the compiled kernel instead of recompiling. One closure per (cap, device), made
+    once: every later layer and step reuses it, so no call copies a Python float to the device
+    (on CUDA, a pageable host-to-device copy is a stream sync). The tensor is filled on the
+    device (``torch.full``), not copied from the host, even the first time.
     """
-    cap = torch.tensor(float(softcap), device=device)
+    key = (float(softcap), str(torch.device(device)))
+    mod = _SOFTCAP_MODS.get(key)
+    if mod is None:
+        cap = torch.full((), float(softcap), device=device)
 
-    def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return cap * torch.tanh(score / cap)
+        def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor):
+            return cap * torch.tanh(score / cap)
 
-    return softcap_mod
+        if len(_SOFTCAP_MODS) >= 16:
+            _SOFTCAP_MODS.pop(next(iter(_SOFTCAP_MODS)))
+        mod = _SOFTCAP_MODS[key] = softcap_mod
+    return mod
+
+
+# (cap, device) -> the softcap score_mod closure of :func:`softcap_score_mod`.
+_SOFTCAP_MODS: dict[tuple[float, str], object] = {}
 
 
 def flex(
@@ -194,9 +241,7 @@ def flex(
 def varlen_available(device: torch.device) -> bool:
     """Whether ``varlen_attn`` runs on ``device``: torch >= 2.10 ships it, and its FlashAttention
     kernels need a CUDA GPU of compute capability 8.0 (Ampere) or newer. Probed on first use."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn  # noqa: F401
-    except ImportError:
+    if _compat.varlen_attn_function() is None:
         return False
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
@@ -275,8 +320,7 @@ def varlen(
     order skip the gather and scatter; with q, k, v laid out (B, S, H, D) underneath, as models
     produce them before ``transpose(1, 2)``, no copy is made at all.
     """
-    from torch.nn.attention.varlen import varlen_attn
-
+    varlen_attn = _compat.varlen_attn_function()
     B, Hq, S, D = q.shape
     plan = cached_plan("varlen", doc_ids, B, _varlen_plan)
     if plan.identity:
@@ -295,7 +339,9 @@ def varlen(
         plan.max_seqlen,
         scale=scale,
         window_size=(-1, 0) if causal else (-1, -1),
-        enable_gqa=enable_gqa,
+        # torch 2.11's varlen_attn has no enable_gqa: its FlashAttention kernel groups the fewer
+        # k/v heads by itself (flexpack.attention checked that Hkv divides Hq).
+        **({"enable_gqa": enable_gqa} if _compat.varlen_takes_enable_gqa(varlen_attn) else {}),
     )
     if plan.identity:
         return _untokens(o, B, S)

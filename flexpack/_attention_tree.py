@@ -46,7 +46,8 @@ def tree_pieces(segment_ids: Tensor, ends: Tensor) -> list[list[_Piece]]:
 
     Args:
         segment_ids: (Bm, S) int, validated by ``flexpack.masks.tree``.
-        ends: (Bm, M + 1) int subtree ends (segment s's subtree is s..ends[s] - 1).
+        ends: (Bm, W) int subtree ends (segment s's subtree is s..ends[s] - 1), W > the number
+            of segments (``flexpack.masks.tree`` keeps W = S + 1).
     """
     device = segment_ids.device
     out = []

@@ -7,14 +7,15 @@ device    path (``backend="auto"``)
 ========  ==========================================================================
 CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 8 up to 256:
           torch's varlen FlashAttention; causal alone: SDPA ``is_causal`` (fp32 with GQA: k, v
-          repeated, so SDPA stays off its O(S^2) math kernel); any other mask: compiled
-          flex_attention, with a BlockMask of 128-token blocks built once per forward (head
-          dims below 16 zero-padded to 16)
+          repeated, so SDPA stays off its O(S^2) math kernel); float64 or head dims above 256:
+          SDPA (per document, per segment for trees, else a dense mask); any other mask:
+          compiled flex_attention, with a BlockMask of 128-token blocks built once per forward
+          (head dims below 16 zero-padded to 16; rows padded to a bucket length, see below)
 CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
           flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
-          ``is_causal``; other masks: compiled flex_attention at fixed shapes without
-          grad (float64, which CPU flex lacks, stays on SDPA), SDPA with a dense mask with
-          grad
+          ``is_causal``; tree masks: SDPA per segment (compiles nothing); other masks: compiled
+          flex_attention without grad (float64, which CPU flex lacks, stays on SDPA), SDPA with
+          a dense mask with grad
 ========  ==========================================================================
 
 Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
@@ -45,6 +47,13 @@ __all__ = ["RecompileLimitError", "attention"]
 Backend = Literal["auto", "flex", "varlen", "sdpa"]
 _BACKENDS = ("auto", "flex", "varlen", "sdpa")
 _DOCUMENT_KINDS = ("document", "document_causal")
+# Largest head dim "auto" sends to flex on CUDA (inductor's flex kernels; larger head dims and
+# float64 go to SDPA, which runs them).
+_FLEX_CUDA_MAX_HEAD_DIM = 256
+# Masks that let no padding token (id -1) attend or be attended: padded ids mask the tail.
+_PADDING_EXCLUDED = ("document", "document_causal", "padding", "prefix_lm", "tree")
+# Smallest bucket length of the flex path (see flex_row_length).
+_FLEX_MIN_BUCKET = 128
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,17 @@ def _is_flexpack_mask(obj: object) -> bool:
     return hasattr(obj, "mask_mod") and hasattr(obj, "kind") and not isinstance(obj, BlockMask)
 
 
+def _layout_hint(q: Tensor, mask_len: int) -> str:
+    """A sentence for a shape mismatch that is really q in (B, S, H, D), the transformers layout."""
+    if q.shape[1] == mask_len and q.shape[2] != mask_len:
+        return (
+            f". q has shape {tuple(q.shape)}: that looks like (B, S, H, D), but flexpack.attention "
+            f"takes q, k, v as (B, H, S, D); pass q.transpose(1, 2), k.transpose(1, 2), "
+            f"v.transpose(1, 2) and transpose the output back (the mask is right as it is)"
+        )
+    return ""
+
+
 def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
     B, _, S, _ = q.shape
     block_mask = None
@@ -72,6 +92,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
             raise ValueError(
                 f"the BlockMask is for (Q_LEN, KV_LEN)={tuple(block_mask.seq_lengths)} but q, k, v "
                 f"have sequence length {S}; build the mask from doc_ids of shape (B, {S})"
+                + _layout_hint(q, block_mask.seq_lengths[0])
             )
         Bm = int(block_mask.kv_num_blocks.shape[0])
         if Bm not in (1, B):
@@ -112,7 +133,7 @@ def _mask_spec(mask: object, q: Tensor) -> _MaskSpec:
             raise ValueError(
                 f"the mask was built from doc_ids of shape {tuple(mask.doc_ids.shape)} but q has "
                 f"batch size {B} and sequence length {S}; expected doc_ids of shape ({B}, {S}), "
-                f"(1, {S}) or ({S},)"
+                f"(1, {S}) or ({S},)" + _layout_hint(q, doc_ids.shape[1])
             )
         if doc_ids.device != q.device:
             raise ValueError(
@@ -246,6 +267,13 @@ def _choose_path(
                 "has no CPU backward. Use backend='auto' or 'sdpa' (same result, with a "
                 "backward), or run under torch.no_grad()"
             )
+        if on_cuda and (q.dtype == torch.float64 or q.shape[-1] > _FLEX_CUDA_MAX_HEAD_DIM):
+            raise ValueError(
+                f"backend='flex' cannot run q of {q.dtype} with head dim {q.shape[-1]} on CUDA: "
+                "inductor's flex kernels take float16, bfloat16 and float32 with head dims up to "
+                f"{_FLEX_CUDA_MAX_HEAD_DIM}. Use backend='auto' or 'sdpa' (SDPA runs it, with a "
+                "dense mask or per document), or cast q, k, v with .float()"
+            )
         if q.dtype == torch.float64 and q.device.type == "cpu":
             raise ValueError(
                 f"backend='flex' cannot run float64 on CPU: torch {torch.__version__}'s CPU "
@@ -293,9 +321,15 @@ def _choose_path(
             return "varlen"
         if spec.kind == "causal" and softcap is None:
             return "sdpa_causal"
+        if q.dtype == torch.float64 or q.shape[-1] > _FLEX_CUDA_MAX_HEAD_DIM:
+            return sdpa_path()  # beyond inductor's flex kernels: SDPA runs anything
         return "flex"
     if per_document or spec.kind == "causal" or windowed:
         # On CPU, SDPA per document beats compiled flex even without grad (bench/attention.py).
+        return sdpa_path()
+    if spec.kind == "tree" and spec.mask is not None:
+        # Per-segment SDPA compiles nothing: new row or segment counts cost nothing, where
+        # compiled flex took seconds per new layout on CPU (the reference pass of an RL step).
         return sdpa_path()
     if q.device.type == "cpu" and not grad and q.dtype != torch.float64:
         return "flex"  # (flex on CPU has no float64 kernel: float64 stays on SDPA)
@@ -386,6 +420,71 @@ def _flex_block_mask(spec: _MaskSpec, S: int, device: torch.device) -> BlockMask
         block_size = multiple  # flexpack's default block size, right for CUDA and CPU alike
     Bm = spec.doc_ids.shape[0] if spec.doc_ids is not None else 1
     return _cached_block_mask(spec.mask, Bm, S, block_size, device)
+
+
+def flex_row_length(S: int) -> int:
+    """The row length the flex path compiles for rows of S tokens: the bucket S is padded to.
+
+    Buckets are 128 * 2**k (128, 256, 512, ...): ``flexpack.attention`` given a flexpack Mask
+    (not a BlockMask) on the flex path pads q, k, v and the mask's tensors to the bucket, masks
+    the tail as padding (no query attends to it; its own outputs are dropped) and compiles one
+    graph per bucket, so rows of varying length (``DataCollatorWithFlattening``, a last short
+    batch) compile at most log2(S_max / 64) graphs instead of one per length. Padded blocks are
+    empty, so flex skips them; the cost is the copy of q, k, v into the padded length. A
+    BlockMask you pass runs at its own length.
+
+    Example:
+        >>> [flex_row_length(S) for S in (1, 128, 129, 1000, 4096)]
+        [128, 128, 256, 1024, 4096]
+    """
+    bucket = _FLEX_MIN_BUCKET
+    while bucket < S:
+        bucket *= 2
+    return bucket
+
+
+# Padded copies of flexpack Masks for the flex path's bucket lengths, as _BLOCK_MASKS:
+# (id of the mask_mod, S_flex) -> (mask_mod, tensor versions, padded Mask).
+_PADDED: dict[tuple, tuple[Any, tuple[int, ...], Any]] = {}
+
+
+def _excludes_padding(mask: Any) -> bool:
+    """Whether no token of id -1 attends or is attended under ``mask`` (so padded ids alone
+    mask a padded tail)."""
+    if mask.kind in _PADDING_EXCLUDED:
+        return True
+    return mask.kind == "and" and any(_excludes_padding(c) for c in mask.children)
+
+
+def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -> _MaskSpec:
+    """The spec of ``mask`` padded from S to S_flex tokens: same pairs on the first S tokens,
+    and nothing attends to the tail or from it (built once per mask and bucket)."""
+    versions = _versions(mask)
+    key = (id(mask.mask_mod), S_flex)
+    hit = _PADDED.get(key)
+    if versions is not None and hit is not None and hit[0] is mask.mask_mod and hit[1] == versions:
+        padded = hit[2]
+    else:
+        n = S_flex - S
+
+        def pad(t: Tensor | None) -> Tensor | None:
+            if t is None or t.dim() == 0 or n == 0:
+                return t  # a window limit
+            # (B, S) doc / segment ids and prefix flags; (B, S + 1) tree ends: -1 / False
+            return F.pad(t, (0, n), value=False if t.dtype == torch.bool else -1)
+
+        doc_ids = mask.doc_ids
+        rows = 1 if doc_ids is None else doc_ids.shape[0]
+        tail = torch.zeros(rows, S_flex, dtype=torch.int32, device=device)
+        tail[:, S:] = -1  # a fill on the device: no host-to-device copy
+        padded = mask._rebuilt(pad)
+        if not _excludes_padding(padded):
+            padded = padded & _masks.padding(tail)
+        if versions is not None:
+            if len(_PADDED) >= _MAX_BLOCK_MASKS:
+                _PADDED.pop(next(iter(_PADDED)))
+            _PADDED[key] = (mask.mask_mod, versions, padded)
+    return _MaskSpec(kind=padded.kind, doc_ids=padded.doc_ids, mask=padded, block_mask=None)
 
 
 def _dense_mask(spec: _MaskSpec, B: int, Hq: int, S: int, device: torch.device) -> Tensor:
@@ -496,10 +595,21 @@ def attention(
             # flex_attention rejects CPU inputs that require grad even under no_grad, where no
             # graph is recorded anyway.
             q, k, v = q.detach(), k.detach(), v.detach()
-        block_mask = _flex_block_mask(spec, S, q.device)
-        return _attention_flex.flex(
+        S_flex = S
+        if spec.block_mask is None and isinstance(spec.mask, _masks.Mask):
+            # Rows padded to the bucket length (the tail masked as padding): one compiled graph
+            # per bucket instead of one per S. Masks that need a padding factor for the tail
+            # get it at every S, so that a row of exactly a bucket length runs the same graph.
+            S_flex = flex_row_length(S)
+            if S_flex != S or not _excludes_padding(spec.mask):
+                spec = _padded_spec(spec.mask, S, S_flex, q.device)
+            if S_flex != S:
+                q, k, v = (F.pad(x, (0, 0, 0, S_flex - S)) for x in (q, k, v))
+        block_mask = _flex_block_mask(spec, S_flex, q.device)
+        out = _attention_flex.flex(
             q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap
         )
+        return out if S_flex == S else out[:, :, :S]
     causal = spec.kind == "document_causal"
     if path == "varlen":
         # The mask's own doc_ids tensor (not a view): its grouping is cached across layers.

@@ -153,19 +153,19 @@ def _narrow(doc_ids: Tensor) -> Tensor:
 
 
 def _rows_sorted(doc_ids: Tensor) -> bool:
-    """Whether the real (>= 0) ids of every row are non-decreasing (host syncs)."""
+    """Whether the real (>= 0) ids of every row are non-decreasing (one host sync)."""
     d = _narrow(doc_ids)
     real = d >= 0
     both = real[:, 1:] & real[:, :-1]
-    if not bool(torch.all(~both | (d[:, 1:] >= d[:, :-1]))):
-        return False
-    # Adjacent real tokens are ordered. Without a real token right after padding (packer
-    # layouts: padding at the row end) that is the whole answer; otherwise compare every real
-    # token with the running maximum before it.
-    if not bool((real[:, 1:] & ~real[:, :-1]).any()):
-        return True
+    # Adjacent real tokens ordered is the whole answer without a real token right after
+    # padding (packer layouts: padding at the row end); otherwise every real token must equal
+    # the running maximum before it. Both answers come back in one transfer.
+    adjacent = torch.all(~both | (d[:, 1:] >= d[:, :-1]))
+    gap = (real[:, 1:] & ~real[:, :-1]).any()
     running = torch.cummax(torch.where(real, d, -1), dim=-1).values
-    return bool(torch.all(~real | (d == running)))
+    monotone = torch.all(~real | (d == running))
+    adjacent, gap, monotone = torch.stack([adjacent, gap, monotone]).tolist()
+    return adjacent and (not gap or monotone)
 
 
 def _nonempty_generic(doc_ids: Tensor, block_size: int) -> Tensor:
@@ -202,7 +202,8 @@ def _nonempty_generic(doc_ids: Tensor, block_size: int) -> Tensor:
     # Triple t pairs with the size_of[t] members of its group. Layouts where many ids span many
     # blocks make that up to bs times the block matrix, so the pairs go in bounded steps.
     ends = torch.cumsum(size_of, 0)
-    bounds = torch.searchsorted(ends, torch.arange(1, int(ends[-1]) // _PAIRS + 2) * _PAIRS)
+    steps = torch.arange(1, int(ends[-1]) // _PAIRS + 2, device=device) * _PAIRS
+    bounds = torch.searchsorted(ends, steps)
     lo = 0
     for hi in [*bounds.tolist(), key.numel()]:
         hi = max(hi, lo + 1)
@@ -661,7 +662,9 @@ def classify_tree(segment_ids: Tensor, ends: Tensor, block_size: int) -> Tensor:
     Args:
         segment_ids: (B, S) integer, 0..n-1 in contiguous depth-first order per row, negative
             for padding (as ``flexpack.masks.tree`` validates).
-        ends: (B, M + 1) integer subtree ends: segment s's subtree is s..ends[b, s] - 1.
+        ends: (B, W) integer subtree ends, W > the segment count (``flexpack.masks.tree`` keeps
+            W = S + 1): segment s's subtree is s..ends[b, s] - 1; the last column, read by
+            padding, is -1.
         block_size: tokens per block.
 
     Returns:

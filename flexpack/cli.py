@@ -21,6 +21,7 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,9 +102,12 @@ def _cli_words(message: str) -> str:
     return message
 
 
-def _read_jsonl(path: Path, column: str, labels_column: str | None, bar: bool) -> _Samples:
+def _read_jsonl(path: Path, column: str | None, labels_column: str | None, bar: bool) -> _Samples:
+    """Samples of a JSONL file; ``column`` None: the default field, and bare lists allowed."""
+    given, column = column is not None, column or "input_ids"
     ids_parts: list[list[int]] = []
-    label_parts: list[list[int]] = []
+    label_parts: list[list[int] | None] = []
+    lines: list[int] = []  # the 1-based line of each sample, for the errors that name one
     progress = _progress(path.stat().st_size, f"read {path.name}", bar, unit="B")
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
@@ -122,13 +126,16 @@ def _read_jsonl(path: Path, column: str, labels_column: str | None, bar: bool) -
             except json.JSONDecodeError as e:
                 raise CliError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
             if isinstance(record, list):  # a bare list of token ids
-                if labels_column is not None:
-                    raise CliError(
-                        f"{path}:{lineno}: a bare list has no {labels_column!r} field for "
-                        f'--labels-column; write objects: {{"{column}": [...], '
-                        f'"{labels_column}": [...]}}'
-                    )
+                for flag, name in (("--column", column if given else None),
+                                   ("--labels-column", labels_column)):  # fmt: skip
+                    if name is not None:
+                        raise CliError(
+                            f"{path}:{lineno}: a bare list has no {name!r} field for {flag}; "
+                            f'write objects ({{"{column}": [...], "{labels_column or "labels"}": '
+                            f"[...]}}), or drop {flag} (a bare list is the token ids)"
+                        )
                 ids_parts.append(record)
+                lines.append(lineno)
                 continue
             if not isinstance(record, dict) or column not in record:
                 keys = sorted(record) if isinstance(record, dict) else type(record).__name__
@@ -140,18 +147,31 @@ def _read_jsonl(path: Path, column: str, labels_column: str | None, bar: bool) -
                     f"with --column, or write one bare list of token ids per line{hint}"
                 )
             ids_parts.append(record[column])
+            lines.append(lineno)
             if labels_column is not None:
                 if labels_column not in record:
                     raise CliError(f"{path}:{lineno}: no {labels_column!r} field for labels")
                 label_parts.append(record[labels_column])
     progress.close()
-    return _to_samples(ids_parts, label_parts if labels_column else None, str(path))
+    if not ids_parts:
+        raise CliError(f"{path}: no samples (the file is empty or has only blank lines)")
+    return _to_samples(
+        ids_parts, label_parts if labels_column else None, lambda k: f"{path}:{lines[k]}"
+    )
 
 
-def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Samples:
+def _to_samples(ids_parts: list, label_parts: list | None, where: Callable[[int], str]) -> _Samples:
+    """The samples as flat arrays; ``where(k)`` names sample k in errors (``file:line``).
+
+    A null labels field (None) labels its sample by its tokens, the rule of every flexpack path.
+    """
     import numpy as np
 
-    for parts in (ids_parts, label_parts or []):
+    if label_parts is not None:
+        label_parts = [
+            p if lab is None else lab for p, lab in zip(ids_parts, label_parts, strict=True)
+        ]
+    for what, parts in (("token ids", ids_parts), ("labels", label_parts or [])):
         for k, p in enumerate(parts):
             # np.fromiter below would silently truncate floats (and read bools as 0/1): every
             # value must be an int; set(map(type, ...)) checks them at C speed
@@ -160,28 +180,60 @@ def _to_samples(ids_parts: list, label_parts: list | None, where: str) -> _Sampl
                 got = ", ".join(sorted(t.__name__ for t in kinds - {int}))
                 hint = f". {_TOKENIZE_HINT}" if isinstance(p, str) or str in kinds else ""
                 raise CliError(
-                    f"{where}: sample {k} must be a list of integer token ids; got "
+                    f"{where(k)}: {what} must be a list of integer {what}; got "
                     f"{type(p).__name__}{' with ' + got if got else ''}{hint}"
+                )
+    if label_parts is not None:
+        for k, (a, b) in enumerate(zip(ids_parts, label_parts, strict=True)):
+            if len(a) != len(b):
+                raise CliError(
+                    f"{where(k)}: {len(a)} token ids but {len(b)} labels; give one label per "
+                    "token (-100 where no loss), or drop --labels-column"
                 )
     lengths = np.fromiter((len(p) for p in ids_parts), np.int64, len(ids_parts))
     offsets = np.zeros(len(ids_parts) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
+    ids = _flat_int64(ids_parts, int(offsets[-1]), "token ids", where)
+    _check_token_ids(ids, offsets, where)
     labels = None
-    try:
-        ids = np.fromiter(itertools.chain.from_iterable(ids_parts), np.int64, int(offsets[-1]))
-        if label_parts is not None:
-            if any(len(a) != len(b) for a, b in zip(ids_parts, label_parts, strict=True)):
-                raise CliError(f"{where}: a sample's labels and token ids differ in length")
-            labels = np.fromiter(itertools.chain.from_iterable(label_parts), np.int64, ids.shape[0])
-    except (TypeError, ValueError, OverflowError) as e:
-        raise CliError(
-            f"{where}: token ids must be lists of integers that fit int64 ({e})"
-        ) from None
+    if label_parts is not None:
+        labels = _flat_int64(label_parts, ids.shape[0], "labels", where)
     return _Samples(ids, offsets, labels)
 
 
-def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Samples:
+def _flat_int64(parts: list[list[int]], total: int, what: str, where: Callable[[int], str]):
+    """The lists back to back as one int64 array; an int past int64 names its sample."""
     import numpy as np
+
+    try:
+        return np.fromiter(itertools.chain.from_iterable(parts), np.int64, total)
+    except OverflowError:  # the slow search runs only on the error path
+        k, big = next(
+            (k, x) for k, p in enumerate(parts) for x in p if not _INT64[0] <= x <= _INT64[1]
+        )
+        raise CliError(
+            f"{where(k)}: {what} hold {big}, which does not fit int64; token ids lie in "
+            "0..2**63 - 1 (check the tokenizer output)"
+        ) from None
+
+
+def _check_token_ids(ids: np.ndarray, offsets: np.ndarray, where: Callable[[int], str]) -> None:
+    """Refuse a negative token id (no tokenizer writes one; -1 often marks padding elsewhere)."""
+    import numpy as np
+
+    if ids.size and int(ids.min()) < 0:
+        at = int(np.argmax(ids < 0))
+        k = int(np.searchsorted(offsets, at, side="right")) - 1
+        raise CliError(
+            f"{where(k)}: token id {int(ids[at])} is negative; token ids are >= 0 (a "
+            "tokenizer's vocabulary indices). Map or drop that sample; padding is --pad-id"
+        )
+
+
+def _read_parquet(path: Path, column: str | None, labels_column: str | None) -> _Samples:
+    import numpy as np
+
+    from flexpack.layout import _first_past_int64
 
     pq = _import_pyarrow_parquet("reading Parquet")
     import pyarrow as pa
@@ -190,14 +242,20 @@ def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Sample
         names = pq.read_schema(path).names
     except Exception as e:  # pyarrow raises its own error types for unreadable files
         raise CliError(f"{path}: cannot read as Parquet ({e})") from None
+    column = column or "input_ids"
     wanted = [column] + ([labels_column] if labels_column else [])
     for name in wanted:
         if name not in names:
             raise CliError(f"{path}: no column {name!r} (columns: {names}); use --column")
     table = pq.read_table(path, columns=wanted)
 
-    def flat(name: str) -> tuple[np.ndarray, np.ndarray]:
+    def flat(name: str, labels: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(values int64, offsets from 0, null rows or None); a labels row may be null."""
         col = table.column(name).combine_chunks()
+        null_rows = None
+        if labels and col.null_count:  # a null labels row: labelled by its tokens
+            null_rows = col.is_null().to_numpy(zero_copy_only=False)
+            col = col.fill_null(pa.scalar([], col.type))
         if not hasattr(col, "offsets") or not pa.types.is_integer(col.type.value_type):
             hint = f" {_TOKENIZE_HINT}" if pa.types.is_string(col.type) else ""
             raise CliError(
@@ -215,15 +273,43 @@ def _read_parquet(path: Path, column: str, labels_column: str | None) -> _Sample
             raise CliError(
                 f"{path}: row {row} of column {name!r} holds a null token id; drop or fill it"
             )
-        values = values.to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-        return values, offsets - offsets[0]
+        values = values.to_numpy(zero_copy_only=False)
+        at = _first_past_int64(values)  # the shared check of every token reader
+        if at is not None:
+            row = int(np.searchsorted(offsets - offsets[0], at, side="right")) - 1
+            raise CliError(
+                f"{path}: row {row} of column {name!r} holds {int(values[at])}, which does not "
+                "fit int64; token ids lie in 0..2**63 - 1 (check the tokenizer output)"
+            )
+        return values.astype(np.int64, copy=False), offsets - offsets[0], null_rows
 
-    ids, offsets = flat(column)
+    def where(k: int) -> str:
+        return f"{path}: row {k} of column {column!r}"
+
+    ids, offsets, _ = flat(column)
+    if len(offsets) == 1:
+        raise CliError(f"{path}: no samples (column {column!r} has 0 rows)")
+    _check_token_ids(ids, offsets, where)
     labels = None
     if labels_column:
-        labels, label_offsets = flat(labels_column)
-        if not np.array_equal(offsets, label_offsets):
-            raise CliError(f"{path}: a sample's labels and token ids differ in length")
+        labels, label_offsets, null_rows = flat(labels_column, labels=True)
+        if null_rows is not None:  # rebuild with each null row's tokens as its labels
+            lens = np.diff(label_offsets)
+            lens[null_rows] = np.diff(offsets)[null_rows]
+            parts = np.split(labels, label_offsets[1:-1])
+            tokens = np.split(ids, offsets[1:-1])
+            labels = np.concatenate(
+                [t if n else p for t, p, n in zip(tokens, parts, null_rows.tolist(), strict=True)]
+            )
+            label_offsets = np.concatenate([[0], np.cumsum(lens)])
+        bad = np.flatnonzero(np.diff(offsets) != np.diff(label_offsets))
+        if bad.size:
+            k = int(bad[0])
+            raise CliError(
+                f"{path}: row {k}: {int(np.diff(offsets)[k])} token ids in {column!r} but "
+                f"{int(np.diff(label_offsets)[k])} labels in {labels_column!r}; give one label "
+                "per token (-100 where no loss), or drop --labels-column"
+            )
     return _Samples(ids, offsets, labels)
 
 
@@ -252,39 +338,76 @@ def _check_input(path: str) -> Path:
     return p
 
 
-def _read(path: str, column: str, labels_column: str | None, bar: bool) -> _Samples:
+def _read(path: str, column: str | None, labels_column: str | None, bar: bool) -> _Samples:
     p = _check_input(path)
     if p.suffix.lower() in (".parquet", ".pq"):
         return _read_parquet(p, column, labels_column)
     return _read_jsonl(p, column, labels_column, bar)
 
 
-def _writable_file(path: str, flag: str) -> str:
-    """Refuse an output path that is a directory or whose folder cannot be created or written."""
+def _writable_file(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> str:
+    """Refuse an output path that is a directory, not a regular file (/dev/full), has none of
+    ``suffixes``, or that cannot really be written.
+
+    Writing is tried, not asked: ``os.access`` says yes to root (Docker, CI) even in /proc or
+    /sys. An existing file is opened for appending (its content untouched); otherwise a
+    temporary file is created and removed in the nearest existing folder.
+    """
     p = Path(path)
     if p.is_dir():
         raise CliError(f"{flag} {path} is a directory; give a file name, e.g. {p / 'out'}")
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise CliError(
+            f"{flag} {path}: expected a file name ending in {' or '.join(suffixes)} (the file "
+            f"is written as {suffixes[0][1:].capitalize()}), e.g. {p.with_suffix(suffixes[0])}"
+        )
+    if p.exists() and not p.is_file():
+        raise CliError(
+            f"{flag} {path} exists and is not a regular file (a device, pipe or socket); give "
+            "the name of a file in a folder"
+        )
     _writable_folder(p.parent, f"{flag} {path}")
-    if p.exists() and not os.access(p, os.W_OK):
-        raise CliError(f"{flag} {path}: the file exists and is not writable")
+    if p.exists():
+        try:
+            open(p, "ab").close()
+        except OSError as e:
+            raise CliError(f"{flag} {path}: the file exists and cannot be written ({e})") from None
     return path
 
 
 def _writable_folder(folder: Path, what: str) -> None:
+    import tempfile
+
     if folder.exists() and not folder.is_dir():
         raise CliError(f"{what}: {folder} is a file, not a folder")
     existing = folder
     while not existing.exists():  # the folder is created later: its nearest existing parent
         existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise CliError(f"{what}: cannot write in {existing} (permission denied)")
+    if not existing.is_dir():
+        raise CliError(f"{what}: {existing} is a file, not a folder")
+    try:  # try it: os.access says yes to root even where nothing can be written (/proc, /sys)
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".flexpack-check-"):
+            pass
+    except OSError as e:
+        reason = "permission denied" if isinstance(e, PermissionError) else e.strerror or e
+        raise CliError(f"{what}: cannot write in {existing} ({reason})") from None
 
 
-def _check_plot_deps() -> None:
+def _check_plot(path: str) -> None:
+    """matplotlib installed and ``path``'s extension one of its image formats, before any work."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (first: its submodules may be imported already)
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise CliError(f"--plot needs matplotlib: {_INSTALL} (or pip install matplotlib)") from None
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(path).suffix.lower()[1:]
+    if suffix not in formats:
+        what = f"has the unknown image format .{suffix}" if suffix else "has no file extension"
+        raise CliError(
+            f"--plot {path} {what}; name the image with one of "
+            f"{', '.join('.' + f for f in formats)}, e.g. {Path(path).with_suffix('.png')}"
+        )
 
 
 def _write_parquet(plan: PackPlan, samples: _Samples, out: str, pad_id: int, bar: bool) -> None:
@@ -484,7 +607,7 @@ def _int_type(lo: int, hi: int, what: str) -> Any:
 
 _POSITIVE = _int_type(1, _INT64[1], "a positive integer")
 _SEED = _int_type(0, _INT64[1], "a non-negative integer")
-_TOKEN_ID = _int_type(*_INT64, "an integer token id that fits int64")
+_TOKEN_ID = _int_type(0, _INT64[1], "a token id: an integer in 0..2**63 - 1")
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -521,7 +644,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--max-len", type=_POSITIVE, required=True, help="tokens per packed row (required)"
         )
-        p.add_argument("--column", default="input_ids", help="field or column with the token ids")
+        p.add_argument(
+            "--column",
+            default=None,
+            help="field or column with the token ids (default: input_ids; bare-list lines are "
+            "the token ids)",
+        )
         p.add_argument(
             "--overflow",
             choices=OVERFLOWS,
@@ -534,7 +662,9 @@ def build_parser() -> argparse.ArgumentParser:
     kw = dict(formatter_class=_Formatter)
     p_pack = sub.add_parser("pack", help="pack token sequences into rows, write Parquet", **kw)
     common(p_pack)
-    p_pack.add_argument("--out", required=True, help="Parquet file to write (required)")
+    p_pack.add_argument(
+        "--out", required=True, help="Parquet file to write, ending in .parquet (required)"
+    )
     p_pack.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -635,11 +765,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.command in ("pack", "stats"):
             _check_input(args.input)
         if args.command == "pack":
-            _writable_file(args.out, "--out")
+            _writable_file(args.out, "--out", suffixes=(".parquet", ".pq"))
             _import_pyarrow_parquet("flexpack pack writes Parquet, which")
             if args.plot:
+                _check_plot(args.plot)
                 _writable_file(args.plot, "--plot")
-                _check_plot_deps()
         elif args.command == "demo":
             _writable_folder(Path(args.out), f"--out {args.out}")
     except CliError as e:

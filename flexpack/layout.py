@@ -123,6 +123,26 @@ def _placement(seqlens: np.ndarray, num_docs: np.ndarray, max_len: int) -> _Plac
     return _Placement(doc_local, dest, offset_in_doc)
 
 
+def _first_past_int64(ids: np.ndarray) -> int | None:
+    """Index of the first uint64 value of ``ids`` that int64 cannot hold (>= 2**63), or None."""
+    if ids.dtype != np.uint64 or not ids.size:
+        return None
+    past = ids > np.iinfo(np.int64).max
+    return int(np.argmax(past)) if bool(past.any()) else None
+
+
+def _as_int64_ids(ids: np.ndarray, where: str) -> np.ndarray:
+    """``ids`` as int64, or a ValueError naming ``where`` for a uint64 id >= 2**63 (which a cast
+    would wrap to a negative id). The one check of every token reader (datasets, trees, CLI)."""
+    j = _first_past_int64(ids)
+    if j is not None:
+        raise ValueError(
+            f"{where}: element {j} is {int(ids[j])}, which does not fit int64; token ids must be "
+            "below 2**63 (check the tokenizer output)."
+        )
+    return ids.astype(np.int64, copy=False)
+
+
 def _as_int_tensor(x, name: str) -> Tensor:
     if isinstance(x, np.ndarray):
         if x.dtype == np.uint64:
@@ -395,6 +415,8 @@ class PackedLayout:
 
         Raises:
             TypeError: ``input_ids`` are not integers, or ``eos_id`` is not an int.
+            ValueError: ``eos_id`` cannot occur in ids of this dtype (-1 in uint8, 2**32 + 2 in
+                int32): a comparison would wrap it onto another token.
 
         Example:
             >>> x = torch.tensor([[5, 6, 2, 7, 2, 8]])  # EOS = 2
@@ -413,6 +435,15 @@ class PackedLayout:
             ids = ids[None]
         if ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, S) or (S,); got shape {tuple(ids.shape)}")
+        info = torch.iinfo(ids.dtype)
+        if not info.min <= int(eos_id) <= info.max:
+            raise ValueError(
+                f"eos_id={int(eos_id)} cannot occur in input_ids of dtype {ids.dtype} (values "
+                f"{info.min}..{info.max}); comparing would wrap it onto another token id. Pass "
+                f"the tokenizer's eos_token_id, or ids of a wider dtype (input_ids.long())."
+            )
+        if ids.dtype == torch.uint64:  # torch has no uint64 == on CPU: compare the int64 bits
+            ids, eos_id = ids.view(torch.int64), int(eos_id) - (2**64 if eos_id >= 2**63 else 0)
         is_eos = (ids == int(eos_id)).to(torch.int32)
         # A token's document is the number of EOS tokens strictly before it in its row.
         doc = torch.cumsum(is_eos, dim=1, dtype=torch.int32) - is_eos

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpack.batch import IGNORE_INDEX
+from flexpack.masks import _as_doc_ids
 
 __all__ = ["packed_cross_entropy"]
 
@@ -92,6 +93,8 @@ def packed_cross_entropy(
         (1.3863, 1.3863)
     """
     _check(logits, labels, doc_ids, reduction)
+    if not doc_ids.dtype.is_signed:  # torch compares no uint32/uint64 on CPU: int64 ids
+        doc_ids = _as_doc_ids(doc_ids)  # refuses uint64 ids >= 2**63 (they would wrap)
     B, S, V = logits.shape
     labels = labels.long()
     bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= V))

@@ -10,7 +10,9 @@ Shape legend:
     doc_ids: (S,) or (B, S) integer tensor; any negative value marks padding, which attends to
         nothing and is attended by nothing. (S,) is treated as (1, S). A mask keeps its own copy,
         taken when it is built: every path (BlockMask, flex, SDPA, dense) reads that copy, so
-        changing the tensor afterwards changes no mask. Build a new mask for a new layout.
+        changing the tensor afterwards changes no mask, and editing ``mask.doc_ids`` in place
+        is refused at the next use. Build a new mask for a new layout. uint64 ids must lie
+        below 2**63.
     prefix_lengths: (num_docs,) for (S,) doc ids, (B, max_docs) for (B, S) doc ids.
     segment_ids, parents: the prefix-tree layout of :func:`tree`: (S,) or (B, S) segment of each
         token (-1 on padding), and (n,) or (B, max_segments) parent of each segment (-1 a root).
@@ -95,6 +97,13 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
             f"at least one token."
         )
     if not doc_ids.dtype.is_signed:  # uint8, ...: valid ids, but -1 (padding) must fit
+        # torch has no uint64 comparisons on CPU: ids >= 2**63 are the negative int64 views.
+        if doc_ids.dtype == torch.uint64 and bool((doc_ids.view(torch.int64) < 0).any()):
+            raise ValueError(
+                f"{name} holds uint64 ids >= 2**63, which would "
+                f"wrap to negative int64 ids, i.e. padding; use ids below 2**63 (any smaller "
+                f"distinct integers name the same documents)."
+            )
         doc_ids = doc_ids.to(torch.int64)
     return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
 
@@ -121,6 +130,16 @@ def _check_window(window: Any) -> int:
             f"the diagonal and the future."
         )
     return window
+
+
+def _moved_to(t: Tensor | None, device: torch.device) -> Tensor | None:
+    """``t`` on ``device``; a 0-d host tensor (a window limit) is filled there instead of
+    copied (on CUDA a pageable host-to-device copy is a stream sync)."""
+    if t is None:
+        return None
+    if t.dim() == 0 and t.device.type == "cpu" and device.type != "cpu":
+        return torch.full((), t.item(), dtype=t.dtype, device=device)
+    return t.to(device)
 
 
 def _same_device(want: torch.device, have: torch.device) -> bool:
@@ -240,6 +259,14 @@ def _row_lookup(table: Tensor) -> Callable[[Tensor, Tensor], Tensor]:
     return lookup
 
 
+def _version_of(t: Tensor | None) -> int | None:
+    """``t``'s in-place version counter; None for no tensor or an inference tensor."""
+    try:
+        return None if t is None else t._version
+    except RuntimeError:  # inference tensors have no version counter (nor in-place edits)
+        return None
+
+
 def _named(fn: MaskMod, name: str) -> MaskMod:
     fn.__name__ = name
     fn.__qualname__ = name
@@ -345,7 +372,9 @@ class Mask:
             ``__name__`` (e.g. ``"and(document_causal, sliding_window_256)"``); works with
             ``create_block_mask``, ``and_masks``, ``or_masks`` and ``flex_attention``.
         doc_ids: (B, S) integer tensor, the mask's own copy of the ids it was built from (for
-            compositions, that of the first factor that has one), or None.
+            compositions, that of the first factor that has one), or None. Read it, do not edit
+            it: every path (mask_mod, BlockMask, SDPA) must see the same ids, so after an
+            in-place edit every use of the mask raises; build a new mask instead.
         window: the window of a sliding_window mask, else None.
         children: the factors of an and/or/not mask, else ().
 
@@ -358,11 +387,12 @@ class Mask:
     """
 
     __slots__ = (
+        "_doc_ids",
+        "_doc_version",
         "_in_prefix",
         "_moved",
         "_window_t",
         "children",
-        "doc_ids",
         "kind",
         "mask_mod",
         "window",
@@ -382,7 +412,8 @@ class Mask:
         assert kind in _KINDS, kind
         self.kind = kind
         self.mask_mod = mask_mod
-        self.doc_ids = doc_ids
+        self._doc_ids = doc_ids
+        self._doc_version = _version_of(doc_ids)
         self.window = window
         self.children = children
         self._in_prefix = in_prefix
@@ -391,6 +422,24 @@ class Mask:
         self._moved: dict[torch.device, tuple[tuple[int, ...], Mask]] = {}
         # Lets mask_of() find the Mask behind a BlockMask (the mask_mod travels with it).
         mask_mod._flexpack_mask = self  # type: ignore[attr-defined]
+
+    @property
+    def doc_ids(self) -> Tensor | None:
+        """(B, S) the ids every path of this mask reads; raises once they were edited in place.
+
+        The mask_mod reads a padded copy taken at build time while SDPA and the BlockMask read
+        this tensor, and tree/prefix masks derive tables from it: an in-place edit would split
+        them, so it is refused (the version counter says whether the tensor was written).
+        """
+        d = self._doc_ids
+        if d is not None and self._doc_version is not None and d._version != self._doc_version:
+            raise ValueError(
+                f"the doc_ids of mask {self.name!r} were modified in place after the mask was "
+                f"built; a mask's ids are fixed (its mask_mod, BlockMask and SDPA paths must "
+                f"read the same ids). Build a new mask from the edited ids instead, e.g. "
+                f"ids = mask.doc_ids.clone(); edit ids; flexpack.masks.document(ids)."
+            )
+        return d
 
     @property
     def name(self) -> str:
@@ -429,11 +478,11 @@ class Mask:
         try:  # an in-place edit of a tensor (new version) makes the cached copy stale
             versions = tuple(t._version for t in self._tensors())
         except RuntimeError:  # inference tensors have no version counter: do not cache
-            return self._rebuilt(lambda t: None if t is None else t.to(dev))
+            return self._rebuilt(lambda t: _moved_to(t, dev))
         hit = self._moved.get(dev)
         if hit is not None and hit[0] == versions:
             return hit[1]
-        moved = self._rebuilt(lambda t: None if t is None else t.to(dev))
+        moved = self._rebuilt(lambda t: _moved_to(t, dev))
         self._moved[dev] = (versions, moved)
         return moved
 
@@ -845,10 +894,11 @@ def prefix_lm_mask(doc_ids: Tensor, prefix_lengths: Tensor, *, block_size: int =
 
 
 def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
-    """Validate a forest layout; return (B, M + 1) int64 subtree ends.
+    """Validate a forest layout; return (B, S + 1) int64 subtree ends.
 
     Segment k of row b (numbered depth-first, a parent before its children) has the descendants
-    k..ends[b, k] - 1 (itself included); the last column, read by padding, is -1.
+    k..ends[b, k] - 1 (itself included); columns past the row's segments, and the last one, read
+    by padding, are -1.
     """
     if not isinstance(parents, Tensor):
         raise TypeError(
@@ -894,10 +944,10 @@ def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
     bad = live & ((par < -1) | (par >= k[None, :]))
     if bool(bad.any()):
         b, j = bad.nonzero()[0].tolist()
+        allowed = f"-1 (a root) or an earlier segment 0..{j - 1}" if j else "-1: it is a root"
         raise ValueError(
-            f"parents[{b}, {j}] = {int(par[b, j])}, but a segment's parent must be -1 (a root) or "
-            f"an earlier segment 0..{j - 1}: segments are numbered depth-first, a parent before "
-            f"its children."
+            f"parents[{b}, {j}] = {int(par[b, j])}, but the parent of segment {j} must be "
+            f"{allowed}; segments are numbered depth-first, a parent before its children."
         )
     # Subtree ends and sizes, children folded into parents from the last segment up: O(M) steps
     # vectorized over rows. Depth-first numbering holds iff every subtree fills k..end - 1.
@@ -921,7 +971,11 @@ def _tree_ends(segment_ids: Tensor, parents: Any) -> Tensor:
             f"a parent before its children and a whole subtree before the next sibling."
         )
     ends = torch.where(live, ends, -1)
-    return torch.nn.functional.pad(ends, (0, 1), value=-1).to(segment_ids.device)
+    # S + 1 columns whatever the segment count (M <= S: a segment holds a token at least), so
+    # the tables a compiled flex kernel reads have shapes that depend on S only: a batch with
+    # another number of segments (every GRPO step) reuses the graph.
+    S = segment_ids.shape[1]
+    return torch.nn.functional.pad(ends, (0, S + 1 - M), value=-1).to(segment_ids.device)
 
 
 def _tree_mod(segment_ids: Tensor, ends: Tensor) -> MaskMod:

@@ -33,9 +33,19 @@ import torch
 from torch import Tensor
 
 from flexpack import masks as _masks
+from flexpack.layout import _as_int64_ids
 from flexpack.packing import pack
 
-__all__ = ["TreeBatch", "grpo_loss", "pack_trees", "sequence_logps"]
+__all__ = [
+    "PaddedTrees",
+    "RolloutLogps",
+    "TreeBatch",
+    "grpo_loss",
+    "pack_padded",
+    "pack_trees",
+    "rollout_logps",
+    "sequence_logps",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,6 +86,9 @@ class TreeBatch:
     _sources: Tensor = field(repr=False)
     _rollout_targets: Tensor = field(repr=False)
     _rollout_valid: Tensor = field(repr=False)
+    # (R, S + 1) subtree ends of flexpack.masks.tree, computed on the host when the batch moves
+    # (the validation reads the layout on the host): mask() on the device then syncs nothing.
+    _tree_ends: Tensor | None = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -94,6 +107,8 @@ class TreeBatch:
             >>> pack_trees([([1, 2], [[3], [4]])], max_len=4).mask().kind
             'tree'
         """
+        if self._tree_ends is not None and self._tree_ends.device == self.segment_ids.device:
+            return _masks._tree_from_tables(self.segment_ids.clone(), self._tree_ends)
         return _masks.tree(self.segment_ids, self.parents)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TreeBatch:
@@ -118,7 +133,12 @@ class TreeBatch:
                 "_rollout_valid",
             )
         }
-        return TreeBatch(num_tokens=self.num_tokens, **moved)
+        ends = self._tree_ends
+        if ends is None and self.segment_ids.device.type == "cpu":
+            ends = self.mask()._tree_ends  # validated here, on the host, once
+        if ends is not None:
+            ends = ends.to(device, non_blocking=non_blocking)
+        return TreeBatch(num_tokens=self.num_tokens, **moved, _tree_ends=ends)
 
     def gather_logps(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         """Per-rollout log-probs of the rollout tokens from the logits of the packed rows.
@@ -138,7 +158,8 @@ class TreeBatch:
             and (N, L) bool, True on the ``rollout_lengths[n]`` first entries of row n.
 
         Raises:
-            ValueError: logits not (R, S, V) for this batch, or on another device.
+            ValueError: logits not (R, S, V) for this batch, or on another device; a rollout
+                token outside [0, V).
 
         Example:
             >>> b = pack_trees([([5, 6, 7], [[8, 9], [4]])], max_len=8)
@@ -163,6 +184,14 @@ class TreeBatch:
             )
         flat = logits.reshape(R * S, -1)  # (R * S, V)
         tokens = self.input_ids.reshape(-1)[self._targets]  # (T,)
+        V = logits.shape[-1]
+        bad = (tokens < 0) | (tokens >= V)  # a negative id would read entry V - 1 silently
+        if bool(bad.any()):
+            raise ValueError(
+                f"gather_logps: rollout token {int(tokens[bad][0])} is not a token id in "
+                f"[0, {V}) (the logits' vocabulary size); check the vocabulary size of the model "
+                f"against the tokenizer."
+            )
         if logits.dtype in (torch.float32, torch.float64):
             # No (T, V) copy: the log-normalizer of every position, then one entry per target.
             lse = torch.logsumexp(logits, dim=-1).reshape(-1)  # (R * S,)
@@ -202,7 +231,7 @@ def _as_tokens(x: Any, where: str) -> np.ndarray:
             f"{where} has no tokens; every segment of a tree needs at least one (drop empty "
             f"completions, or give them an end-of-sequence token)."
         )
-    return arr.astype(np.int64, copy=False)
+    return _as_int64_ids(arr, where)
 
 
 def _split_node(node: Any, where: str) -> tuple[np.ndarray, list[Any]]:
@@ -487,3 +516,384 @@ def _check_pair(logps: Tensor, valid: Tensor) -> None:
             f"{tuple(logps.shape)} and {tuple(valid.shape)} {valid.dtype}; pass both results of "
             f"TreeBatch.gather_logps."
         )
+
+
+# ----------------------------------------------------------------------------- padded RL batches
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedTrees:
+    """A TRL-style padded batch packed as prefix trees, what :func:`pack_padded` returns.
+
+    Attributes:
+        batch: the :class:`TreeBatch`; its rollouts are the rows that have completion tokens.
+        row_rollout: (B,) int64; the rollout of each padded row, -1 for a row without completion
+            tokens (its results scatter as zeros).
+        completion_mask: (B, C) bool; the real completion tokens of the padded layout.
+
+    Example:
+        >>> t = pack_padded(torch.tensor([[0, 5, 6], [0, 5, 6]]), torch.tensor([[0, 1, 1]] * 2),
+        ...                 torch.tensor([[7, 8], [9, 0]]), torch.tensor([[1, 1], [1, 0]]))
+        >>> t.batch.input_ids.tolist(), t.row_rollout.tolist()  # the prompt [5, 6] once
+        ([[5, 6, 7, 8, 9]], [0, 1])
+    """
+
+    batch: TreeBatch
+    row_rollout: Tensor
+    completion_mask: Tensor
+
+    def scatter(self, values: Tensor) -> Tensor:
+        """Per-rollout values, (N, L) as from :meth:`TreeBatch.gather_logps`, in the (B, C) layout.
+
+        Entry ``[b, j]`` is the value of the j-th real completion token of row b (its j-th target),
+        0 on completion padding and on rows without completion tokens.
+
+        Example:
+            >>> t = pack_padded(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]),
+            ...                 torch.tensor([[3, 0]]), torch.tensor([[1, 0]]))
+            >>> t.scatter(torch.tensor([[-0.5]]))
+            tensor([[-0.5000,  0.0000]])
+        """
+        N = self.batch.num_rollouts
+        if not isinstance(values, Tensor) or values.dim() < 2 or values.shape[0] != N:
+            got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise ValueError(f"scatter needs (N, L) = ({N}, L) per-rollout values, got {got}.")
+        B, C = self.completion_mask.shape
+        out = values.new_zeros((B, C, *values.shape[2:]))
+        has = self.row_rollout >= 0
+        if not bool(has.any()):
+            return out + 0 * values.sum()  # still in the graph
+        rows = values[self.row_rollout.clamp(min=0)]  # (B, L)
+        L = rows.shape[1]
+        j = torch.cumsum(self.completion_mask, dim=1) - 1  # target index of each real token
+        take = self.completion_mask & has[:, None] & (j < L)
+        src = rows.gather(1, j.clamp(0, max(L - 1, 0)).to(torch.int64))
+        return torch.where(take.reshape(B, C, *[1] * (values.dim() - 2)), src, out)
+
+    def gather(self, values: Tensor) -> Tensor:
+        """The inverse of :meth:`scatter`: (B, C) values read back as (N, L) per rollout.
+
+        Example:
+            >>> t = pack_padded(torch.tensor([[1, 2]]), torch.tensor([[1, 1]]),
+            ...                 torch.tensor([[3, 4]]), torch.tensor([[1, 1]]))
+            >>> t.gather(torch.tensor([[0.25, 0.5]]))
+            tensor([[0.2500, 0.5000]])
+        """
+        B, C = self.completion_mask.shape
+        if not isinstance(values, Tensor) or tuple(values.shape[:2]) != (B, C):
+            got = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
+            raise ValueError(f"gather needs (B, C) = ({B}, {C}) values, got {got}.")
+        valid = self.batch._rollout_valid.to(values.device)
+        N, L = valid.shape
+        out = values.new_zeros((N, L, *values.shape[2:]))
+        mask = self.completion_mask.to(values.device)
+        rollout = self.row_rollout.to(values.device)
+        take = mask & (rollout >= 0)[:, None]  # (B, C)
+        j = torch.cumsum(mask, dim=1) - 1  # target index of each real completion token
+        n = rollout[:, None].expand(B, C)
+        out[n[take], j[take]] = values[take]
+        return out
+
+
+def _suffix_run(mask: Tensor) -> bool:
+    """Every row is 0...0 1...1 (left padding)."""
+    return bool((mask[:, 1:] >= mask[:, :-1]).all())
+
+
+def pack_padded(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    *,
+    max_len: int | None = None,
+    pad_id: int = 0,
+) -> PaddedTrees:
+    """Pack a padded RL batch (TRL's layout) as prefix trees: rows that share a prompt, once.
+
+    The rollout of row b is its prompt's real tokens then its completion's real tokens. Rows
+    whose real prompt tokens are equal form one tree (a group need not be contiguous, nor of one
+    size); a row without completion tokens gets no rollout. Per-token results of the trees
+    (``TreeBatch.gather_logps``, :func:`rollout_logps`) go back to the (B, C) completion layout
+    with :meth:`PaddedTrees.scatter`.
+
+    Args:
+        prompt_ids: (B, P) int; left-padded prompts (GRPO's ``prompt_ids``).
+        prompt_mask: (B, P) int or bool; 1 on real prompt tokens, a suffix of each row.
+        completion_ids: (B, C) int; right-padded completions.
+        completion_mask: (B, C) int or bool; 1 on real completion tokens, a prefix of each row.
+        max_len: tokens per packed row; default the largest tree (so one tree fits each row).
+        pad_id: token id written on padding.
+
+    Returns:
+        :class:`PaddedTrees`.
+
+    Raises:
+        ValueError: shapes that disagree, a row without prompt tokens, masks that are not
+            left-padded prompts / right-padded completions (holes), or a tree over ``max_len``.
+
+    Example:
+        >>> prompts = torch.tensor([[0, 5, 6], [9, 9, 9], [0, 5, 6]])  # rows 0 and 2 share one
+        >>> pmask = (prompts != 0).long()
+        >>> completions = torch.tensor([[7, 0], [1, 2], [8, 4]])
+        >>> t = pack_padded(prompts, pmask, completions, (completions != 0).long())
+        >>> t.batch.num_tokens, t.row_rollout.tolist()  # (2 + 1 + 2) + (3 + 2) tokens, not 12
+        (10, [0, 2, 1])
+    """
+    tensors = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+    }
+    for name, t in tensors.items():
+        if not isinstance(t, Tensor) or t.dim() != 2 or t.is_floating_point():
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a 2-D integer or bool tensor, got {got}.")
+    B, P = prompt_ids.shape
+    C = completion_ids.shape[1]
+    for name, t, want in (
+        ("prompt_mask", prompt_mask, (B, P)),
+        ("completion_ids", completion_ids, (B, C)),
+        ("completion_mask", completion_mask, (B, C)),
+    ):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want} like its ids, got {tuple(t.shape)}.")
+    pmask = prompt_mask.detach().cpu().bool()
+    cmask = completion_mask.detach().cpu().bool()
+    if not _suffix_run(pmask):
+        raise ValueError(
+            "prompt_mask must mark a suffix of every row (left-padded prompts, as TRL pads "
+            "them); got a row with a hole or right padding."
+        )
+    if not _suffix_run(cmask.flip(1)):
+        raise ValueError(
+            "completion_mask must mark a prefix of every row (right-padded completions); got a "
+            "row with a hole or left padding: apply per-token weights after scatter instead."
+        )
+    plen = pmask.sum(1).tolist()
+    clen = cmask.sum(1).tolist()
+    if min(plen) == 0:
+        raise ValueError(
+            f"row {plen.index(0)} has no prompt tokens; every rollout needs at least one (its "
+            "first completion token is predicted from the prompt's last)."
+        )
+    pids = prompt_ids.detach().cpu().numpy()
+    cids = completion_ids.detach().cpu().numpy()
+    group_of: dict[bytes, int] = {}
+    groups: list[tuple[np.ndarray, list[np.ndarray]]] = []
+    members: list[list[int]] = []
+    for b in range(B):
+        if clen[b] == 0:
+            continue
+        prompt = pids[b, P - plen[b] :].astype(np.int64)
+        g = group_of.setdefault(prompt.tobytes(), len(groups))
+        if g == len(groups):
+            groups.append((prompt, []))
+            members.append([])
+        groups[g][1].append(cids[b, : clen[b]].astype(np.int64))
+        members[g].append(b)
+    row_rollout = torch.full((B,), -1, dtype=torch.int64)
+    if not groups:  # no completion tokens anywhere: one tiny tree keeps the shapes valid
+        groups = [(pids[0, P - plen[0] :].astype(np.int64), [])]
+    n = 0
+    for rows in members:  # rollouts: groups in order, children in order (depth-first)
+        for b in rows:
+            row_rollout[b] = n
+            n += 1
+    if max_len is None:
+        max_len = max(len(p) + sum(len(c) for c in cs) for p, cs in groups)
+    trees = [(p, cs) if cs else p for p, cs in groups]
+    batch = pack_trees(trees, max_len, seed=None, pad_id=pad_id)
+    device = completion_ids.device
+    return PaddedTrees(
+        batch=batch.to(device) if device.type != "cpu" else batch,
+        row_rollout=row_rollout.to(device),
+        completion_mask=completion_mask.bool(),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class RolloutLogps:
+    """Per-rollout results of :func:`rollout_logps`, each (N, L) float32, 0 past a rollout's end.
+
+    Attributes:
+        logps: log p(target) of every rollout token.
+        valid: (N, L) bool, True on the ``rollout_lengths[n]`` first entries of row n.
+        entropies: entropy of the predicting distribution, or None when not asked.
+        mean_logits: mean (transformed) logit over the vocabulary, or None when not asked.
+        is_top1: (N, L) bool, the target is the argmax (the first maximum), or None.
+    """
+
+    logps: Tensor
+    valid: Tensor
+    entropies: Tensor | None = None
+    mean_logits: Tensor | None = None
+    is_top1: Tensor | None = None
+
+
+def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, tf: tuple) -> tuple[Tensor, Tensor]:
+    """(z, dz/dy) of one chunk: y = h @ W.T + b in the compute dtype, z its float32 transform."""
+    logit_scale, softcap, inv_t, compute_dtype = tf
+    with torch.autocast(h.device.type, enabled=False):
+        b = None if bias is None else bias.to(compute_dtype)
+        y = torch.nn.functional.linear(h.to(compute_dtype), weight.to(compute_dtype), b)
+    u = y.to(torch.promote_types(y.dtype, torch.float32)) * logit_scale  # (n, V) per chunk
+    if softcap is None:
+        return u * inv_t, None
+    t = torch.tanh(u / softcap)
+    return softcap * t * inv_t, (1 - t * t) * (logit_scale * inv_t)
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """log p(target) and entropy of ``transform(h @ W.T + b)`` per row, ``chunk`` rows at a
+    time; backward recomputes each chunk's logits, so only (chunk, V) tensors ever exist."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, tokens, tf, chunk, extra):  # type: ignore[override]
+        ctx.set_materialize_grads(False)
+        T = hidden.shape[0]
+        acc = torch.promote_types(tf[3], torch.float32)  # float32 (float64 for float64)
+        lp = hidden.new_zeros(T, dtype=acc)
+        ent, mean, top1 = torch.zeros_like(lp), torch.zeros_like(lp), torch.zeros_like(lp)
+        for a in range(0, T, chunk):
+            z, _ = _logits(hidden[a : a + chunk], weight, bias, tf)
+            tok = tokens[a : a + chunk]
+            log_z = torch.logsumexp(z, dim=-1)
+            target = z.gather(-1, tok[:, None])[:, 0]
+            lp[a : a + chunk] = target - log_z
+            want_entropy, want_mean, want_top1 = extra  # (zeros where not asked for)
+            if want_entropy:
+                ent[a : a + chunk] = log_z - (torch.softmax(z, dim=-1) * z).sum(-1)
+            if want_mean:
+                mean[a : a + chunk] = z.mean(-1)
+            if want_top1:
+                top1[a : a + chunk] = (z.argmax(-1) == tok).to(acc)
+        ctx.save_for_backward(hidden, weight, bias, tokens)
+        ctx.tf, ctx.chunk = tf, chunk
+        ctx.mark_non_differentiable(mean, top1)
+        return lp, ent, mean, top1
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent, _g_mean, _g_top1):  # type: ignore[override]
+        hidden, weight, bias, tokens = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        acc = torch.promote_types(ctx.tf[3], torch.float32)  # gradients accumulate in float32
+        gh = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need_h else None
+        gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        gb = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
+        T, chunk = hidden.shape[0], ctx.chunk
+        for a in range(0, T, chunk):
+            h = hidden[a : a + chunk]
+            z, dz = _logits(h, weight, bias, ctx.tf)
+            p = torch.softmax(z, dim=-1)
+            g = torch.zeros_like(z)
+            if g_lp is not None:  # d log p_t / dz = onehot(t) - p
+                gl = g_lp[a : a + chunk, None].to(acc)
+                g = g - gl * p
+                g.scatter_add_(-1, tokens[a : a + chunk, None], gl)
+            if g_ent is not None:  # dH / dz = -p * (z - E_p[z])
+                ez = (p * z).sum(-1, keepdim=True)
+                g = g - g_ent[a : a + chunk, None].to(acc) * p * (z - ez)
+            if dz is not None:
+                g = g * dz
+            else:
+                g = g * (ctx.tf[0] * ctx.tf[2])
+            if gh is not None:
+                gh[a : a + chunk] = g @ weight.to(acc)
+            if gw is not None:
+                gw += g.t() @ h.to(acc)
+            if gb is not None:
+                gb += g.sum(0)
+        return (
+            None if gh is None else gh.to(hidden.dtype),
+            None if gw is None else gw.to(weight.dtype),
+            None if gb is None else gb.to(bias.dtype),
+            None,
+            None,
+            None,
+            None,
+        )
+
+
+def rollout_logps(
+    batch: TreeBatch,
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    temperature: float = 1.0,
+    logit_scale: float = 1.0,
+    softcap: float | None = None,
+    entropy: bool = False,
+    mean_logits: bool = False,
+    is_top1: bool = False,
+    chunk_size: int = 1024,
+) -> RolloutLogps:
+    """Per-rollout log-probs (and entropies) from a model's last hidden states, in chunks.
+
+    The LM head runs on the hidden states of the predicting positions only (one per target, the
+    last prompt token once per completion), ``chunk_size`` of them at a time, and backward
+    recomputes each chunk: no (R, S, V) nor (T, V) logits tensor exists, only (chunk_size, V)
+    ones (the gradient reaches ``hidden``, ``weight`` and ``bias``). Logits are transformed as
+    TRL's fused LM head does, ``z = softcap * tanh(logit_scale * (h @ W.T + b) / softcap) /
+    temperature``, in float32 after a projection in the autocast dtype (or the hidden states'
+    dtype; float64 stays float64).
+
+    Args:
+        batch: the :class:`TreeBatch` the model ran on.
+        hidden: (R, S, H) float last hidden states of the model on ``batch.input_ids``.
+        weight: (V, H) the LM head's weight; bias: (V,) or None.
+        temperature, logit_scale, softcap: the logit transform (TRL's ``temperature``).
+        entropy, mean_logits, is_top1: also return these per token.
+        chunk_size: predicting positions per LM-head call.
+
+    Returns:
+        :class:`RolloutLogps`.
+
+    Raises:
+        ValueError: hidden not (R, S, H) for this batch, or a weight of another width.
+
+    Example:
+        >>> b = pack_trees([([5, 6, 7], [[8, 9], [4]])], max_len=8)
+        >>> r = rollout_logps(b, torch.zeros(1, 8, 4), torch.zeros(16, 4), entropy=True)
+        >>> r.logps[0], r.entropies[1]  # uniform over 16 tokens
+        (tensor([-2.7726, -2.7726]), tensor([2.7726, 0.0000]))
+    """
+    R, S = batch.shape
+    if not isinstance(hidden, Tensor) or hidden.dim() != 3 or tuple(hidden.shape[:2]) != (R, S):
+        got = tuple(hidden.shape) if isinstance(hidden, Tensor) else type(hidden).__name__
+        raise ValueError(
+            f"rollout_logps needs hidden states of shape (R, S, H) = ({R}, {S}, H), got {got}; "
+            "pass the model's last_hidden_state on batch.input_ids."
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[2]:
+        raise ValueError(
+            f"weight must be (V, H) with H = {hidden.shape[2]}, got {tuple(weight.shape)}."
+        )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}.")
+    device = hidden.device
+    sources = batch._sources.to(device)
+    tokens = batch.input_ids.to(device).reshape(-1)[batch._targets.to(device)]  # (T,)
+    flat = hidden.reshape(R * S, -1)
+    compute_dtype = (
+        torch.get_autocast_dtype(device.type)
+        if torch.is_autocast_enabled(device.type)
+        else hidden.dtype
+    )
+    tf = (float(logit_scale), softcap, 1.0 / temperature, compute_dtype)
+    extra = (bool(entropy), bool(mean_logits), bool(is_top1))
+    cols = _ChunkedHead.apply(flat[sources], weight, bias, tokens, tf, chunk_size, extra)
+    index = batch._rollout_targets.to(device)
+    valid = batch._rollout_valid.to(device)
+
+    def per_rollout(col: Tensor) -> Tensor:
+        return torch.nn.functional.pad(col, (0, 1))[index]  # past the end: the spare 0
+
+    lp, ent, mean, top1 = cols
+    logps = per_rollout(lp)
+    ent = per_rollout(ent) if entropy else None
+    mean = per_rollout(mean) if mean_logits else None
+    top1 = per_rollout(top1).bool() & valid if is_top1 else None
+    return RolloutLogps(logps=logps, valid=valid, entropies=ent, mean_logits=mean, is_top1=top1)

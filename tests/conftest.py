@@ -40,3 +40,22 @@ def _room_for_every_test_shape():
     """
     with torch._dynamo.config.patch(recompile_limit=64):
         yield
+
+
+@pytest.fixture
+def fake_cuda():
+    """A faked CUDA device (tests/fake_cuda.py): tensors report cuda:0, compute on CPU, refuse
+    mixed-device inputs where CUDA kernels do, and count host syncs. Yields the open
+    ``FakeCuda``; ``fake_cuda.count()`` collects the syncs of a block."""
+    import importlib
+
+    from fake_cuda import FakeCuda
+
+    from flexpack import _attention_flex
+
+    _attention_flex.varlen_available.cache_clear()
+    with FakeCuda() as gpu:
+        yield gpu
+    # Caches keyed by a device that no longer exists (and holding fake tensors).
+    _attention_flex.varlen_available.cache_clear()
+    importlib.import_module("flexpack.attention")._BLOCK_MASKS.clear()

@@ -343,3 +343,172 @@ def test_litgpt_finetune_forwards_to_the_litgpt_entry_point(capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert "--max-len" in out and "--data" in out
+
+
+# ----------------------------------------------------------------------------- issue 20
+
+
+def _usage_error(argv, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "Traceback" not in err and err.startswith("usage: flexpack")
+    return err
+
+
+@pytest.mark.parametrize("out", ["/proc/x.parquet", "/sys/x.parquet", "/proc/new/x.parquet"])
+def test_out_where_nothing_can_be_written_is_a_usage_error_even_as_root(tmp_path, capsys, out):
+    # os.access says yes to root: --out /proc/x.parquet was a pyarrow traceback after the work.
+    import os
+
+    if not os.path.isdir("/" + out.split("/")[1]):
+        pytest.skip("no /proc or /sys here")
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    err = _usage_error(["pack", str(src), "--max-len", "64", "--out", out], capsys)
+    assert f"--out {out}: cannot write in" in err
+
+
+def test_out_that_is_not_a_regular_file_is_a_usage_error(tmp_path, capsys):
+    # /dev/full (root: os.access yes) and a FIFO: the check must look at the file, not ask.
+    import os
+
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    fifo = tmp_path / "pipe.parquet"
+    os.mkfifo(fifo)
+    for out in (str(fifo), "/dev/full"):
+        err = _usage_error(["pack", str(src), "--max-len", "64", "--out", out], capsys)
+        assert "not a regular file" in err or "ending in .parquet" in err
+    err = _usage_error(["pack", str(src), "--max-len", "64", "--out", str(fifo)], capsys)
+    assert "exists and is not a regular file" in err
+
+
+def test_out_must_end_in_parquet(tmp_path, capsys):
+    # --out o.csv wrote Parquet inside a .csv.
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    err = _usage_error(
+        ["pack", str(src), "--max-len", "64", "--out", str(tmp_path / "o.csv")], capsys
+    )
+    assert "ending in .parquet or .pq" in err and "o.parquet" in err
+    assert not (tmp_path / "o.csv").exists()
+    assert main(["pack", str(src), "--max-len", "64", "--out", str(tmp_path / "o.pq"), "-q"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("plot", "words"),
+    [
+        ("fill.xyz", "unknown image format .xyz"),
+        ("fill", "no file extension"),
+        ("/proc/fill.png", "cannot write in /proc"),
+    ],
+)
+def test_plot_path_and_format_are_checked_before_any_work(tmp_path, capsys, plot, words):
+    # A bad --plot failed only after the Parquet was written.
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    out = tmp_path / "o.parquet"
+    plot = plot if plot.startswith("/") else str(tmp_path / plot)
+    err = _usage_error(
+        ["pack", str(src), "--max-len", "64", "--out", str(out), "--plot", plot], capsys
+    )
+    assert words in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("lines", "labels", "where", "words"),
+    [
+        (['{"input_ids": [1]}', "", '{"input_ids": [2]}', '{"input_ids": [1.5]}'], None, 4,
+         "token ids must be a list of integer token ids"),
+        (['{"input_ids": [1]}', "", '{"input_ids": [1, 99999999999999999999]}'], None, 3,
+         "does not fit int64"),
+        (['{"input_ids": [1], "l": [1]}', '{"input_ids": [1, 2], "l": [1]}'], "l", 2,
+         "2 token ids but 1 labels"),
+        (['{"input_ids": [1], "l": [1]}', '{"input_ids": [1], "l": "x"}'], "l", 2,
+         "labels must be a list of integer labels"),
+        (['[1, 2]', '[3, -1]'], None, 2, "token id -1 is negative"),
+    ],
+)  # fmt: skip
+def test_per_sample_errors_name_the_1_based_line(tmp_path, capsys, lines, labels, where, words):
+    # A type error named "sample 3" for line 4; an oversized id, a labels length mismatch and a
+    # negative id named no line (docs/packing.md promises file and line).
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    argv = ["pack", str(src), "--max-len", "8", "--out", str(tmp_path / "o.parquet")]
+    argv += ["--labels-column", labels] if labels else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{src}:{where}: " in err and words in err, err
+    assert not (tmp_path / "o.parquet").exists()
+
+
+def test_a_null_labels_field_labels_its_sample_by_its_tokens(tmp_path):
+    # The rule of every flexpack path (docs/data.md); it was an error that named no line.
+    src = tmp_path / "in.jsonl"
+    src.write_text(
+        '{"input_ids": [1, 2, 3], "l": [-100, 2, 3]}\n{"input_ids": [4, 5], "l": null}\n'
+    )
+    out = tmp_path / "o.parquet"
+    assert (
+        main(["pack", str(src), "--max-len", "8", "--out", str(out), "-q", "--labels-column", "l"])
+        == 0
+    )
+    want = [
+        {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+        {"input_ids": [4, 5], "labels": [4, 5]},
+    ]
+    _check_packed(out, want, 8)
+    pqin = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": [[1, 2, 3], [4, 5]], "l": [[-100, 2, 3], None]}), pqin)
+    assert (
+        main(["pack", str(pqin), "--max-len", "8", "--out", str(out), "-q", "--labels-column", "l"])
+        == 0
+    )
+    _check_packed(out, want, 8)
+
+
+def test_parquet_ids_past_int64_negative_or_mislabelled_name_the_row(tmp_path, capsys):
+    # uint64 ids >= 2**63 wrapped to negative ids (exit 0); the shared check refuses them.
+    src = tmp_path / "in.parquet"
+    big = pa.array([[1, 2], [3, 2**63 + 1]], pa.list_(pa.uint64()))
+    pq.write_table(pa.table({"input_ids": big}), src)
+    assert main(["stats", str(src), "--max-len", "4"]) == 2
+    assert f"row 1 of column 'input_ids' holds {2**63 + 1}" in capsys.readouterr().err
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3, -4]]}), src)
+    assert main(["stats", str(src), "--max-len", "4"]) == 2
+    assert "row 1 of column 'input_ids': token id -4 is negative" in capsys.readouterr().err
+    pq.write_table(pa.table({"input_ids": [[1, 2], [3]], "l": [[1, 2], [3, 4]]}), src)
+    out = str(tmp_path / "o.parquet")
+    assert main(["pack", str(src), "--max-len", "4", "--out", out, "--labels-column", "l"]) == 2
+    assert "row 1: 1 token ids in 'input_ids' but 2 labels in 'l'" in capsys.readouterr().err
+
+
+def test_pad_id_must_be_a_token_id(tmp_path, capsys):
+    # --pad-id -1 was accepted and written on every padding position.
+    src = _write_jsonl(tmp_path / "in.jsonl", _samples(n=3))
+    argv = ["pack", str(src), "--max-len", "64", "--out", str(tmp_path / "o.parquet")]
+    err = _usage_error([*argv, "--pad-id", "-1"], capsys)
+    assert "--pad-id" in err and "0..2**63 - 1" in err
+
+
+@pytest.mark.parametrize("content", ["", "\n\n"])
+def test_empty_input_is_an_error_not_an_empty_parquet(tmp_path, capsys, content):
+    # An empty file gave a 0-row Parquet, "efficiency 0.00%", exit 0.
+    src = tmp_path / "in.jsonl"
+    src.write_text(content)
+    out = tmp_path / "o.parquet"
+    assert main(["pack", str(src), "--max-len", "8", "--out", str(out)]) == 2
+    assert "no samples" in capsys.readouterr().err and not out.exists()
+    empty = tmp_path / "in.parquet"
+    pq.write_table(pa.table({"input_ids": pa.array([], pa.list_(pa.int64()))}), empty)
+    assert main(["stats", str(empty), "--max-len", "8"]) == 2
+    assert "no samples" in capsys.readouterr().err
+
+
+def test_column_on_bare_list_lines_is_an_error(tmp_path, capsys):
+    # --column tokens on a file of bare lists was silently ignored.
+    src = tmp_path / "lists.jsonl"
+    src.write_text("[1, 2, 3]\n[4, 5]\n")
+    out = tmp_path / "o.parquet"
+    assert main(["pack", str(src), "--max-len", "8", "--out", str(out), "--column", "tokens"]) == 2
+    err = capsys.readouterr().err
+    assert f"{src}:1: a bare list has no 'tokens' field for --column" in err
+    assert main(["pack", str(src), "--max-len", "8", "--out", str(out), "-q"]) == 0

@@ -20,7 +20,7 @@ from torch._dynamo.testing import CompileCounter
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flexpack import _attention_flex, masks
+from flexpack import _attention_flex, _compat, masks
 from flexpack._attention_flex import RecompileLimitError
 from flexpack._attention_sdpa import document_groups
 from flexpack.attention import _choose_path, _flex_block_mask, _kv_for_causal_sdpa, _mask_spec
@@ -36,9 +36,9 @@ aten = torch.ops.aten
 
 def _counted():
     cnt = CompileCounter()
-    fn = torch.compile(
-        flex_attention, backend=cnt, fullgraph=True, dynamic=False, isolate_recompiles=True
-    )
+    # A dynamo cache of its own: counts only this test's compiles (isolate_recompiles on torch
+    # 2.13, a fresh code object on 2.11 and 2.12).
+    fn = _compat.compile_isolated(flex_attention, backend=cnt, fullgraph=True, dynamic=False)
     return cnt, fn
 
 
@@ -62,12 +62,16 @@ def test_python_int_in_a_mask_mod_recompiles() -> None:
     cnt, fn = _counted()
     from torch.nn.attention.flex_attention import create_block_mask
 
-    for window in (1, 5):
-
-        def mod(b, h, qi, kv, w=window):
+    def window_mod(w: int):
+        # A closure, not a default argument: torch 2.11's dynamo does not guard a mask_mod's
+        # __defaults__ (a new default reuses the old graph, silently wrong); 2.13's does.
+        def mod(b, h, qi, kv):
             return qi - kv <= w
 
-        fn(q, q, q, block_mask=create_block_mask(mod, 1, 1, 64, 64, device="cpu"))
+        return mod
+
+    for window in (1, 5):
+        fn(q, q, q, block_mask=create_block_mask(window_mod(window), 1, 1, 64, 64, device="cpu"))
     assert cnt.frame_count == 2
 
 
@@ -326,14 +330,15 @@ DOC = torch.tensor([[0] * 12 + [1] * 16 + [-1] * 4])
 
 
 @pytest.mark.parametrize(
-    ("D", "path"), [(64, "varlen"), (8, "varlen"), (256, "varlen"), (12, "flex"), (264, "flex")]
+    ("D", "path"),
+    [(64, "varlen"), (8, "varlen"), (256, "varlen"), (12, "flex"), (264, "sdpa_document")],
 )
 def test_varlen_only_for_head_dims_flash_attention_takes(monkeypatch, D, path):
     monkeypatch.setattr(_attention_flex, "varlen_available", lambda device: True)
     spec = _mask_spec(masks.document(DOC) & masks.causal(), torch.empty(1, 4, 32, D))
     q = _fake(D=D)
-    assert _choose_path(q, q, q, spec, "auto") == path
-    if path == "flex":
+    assert _choose_path(q, q, q, spec, "auto") == path  # above 256: past flex's kernels too
+    if path != "varlen":
         with pytest.raises(ValueError, match=f"multiples of 8 up to 256 \\(q has {D}\\)"):
             _choose_path(q, q, q, spec, "varlen")
 
@@ -370,8 +375,9 @@ def test_a_mask_description_becomes_one_block_mask_per_forward():
     spec = _mask_spec(masks.document(DOC) & masks.sliding_window(5), torch.empty(1, 1, 32, 16))
     first = _flex_block_mask(spec, 32, torch.device("cpu"))
     assert _flex_block_mask(spec, 32, torch.device("cpu")) is first  # the next layers
-    spec.mask.doc_ids[0, -1] = 1  # the mask's own ids edited in place: rebuilt
-    assert _flex_block_mask(spec, 32, torch.device("cpu")) is not first
+    spec.mask.doc_ids[0, -1] = 1  # the mask's own ids edited in place: refused, never stale
+    with pytest.raises(ValueError, match="modified in place"):
+        _flex_block_mask(spec, 32, torch.device("cpu"))
 
 
 def test_a_block_mask_moved_with_to_reads_its_tensors_on_the_new_device():
@@ -473,5 +479,95 @@ def test_mask_to_sees_in_place_edits():
     assert m.to("meta") is first
     d[0, 0] = 1  # the caller's tensor: the mask keeps its own copy, so nothing changes
     assert m.to("meta") is first
-    m.doc_ids[0, 0] = 1  # the mask's own copy edited in place: the copy on "meta" is stale
-    assert m.to("meta") is not first
+    m.doc_ids[0, 0] = 1  # the mask's own copy edited in place: refused, never stale
+    with pytest.raises(ValueError, match="modified in place"):
+        m.to("meta")
+
+
+# ----------------------------------------------------------------------- recompiles (issue 17)
+
+
+def _star_tree(S: int, n: int, rows: int = 1):
+    """Rows of one prompt and n - 1 completions (n segments), then 3 padding tokens."""
+    prompt = S - 3 - 2 * (n - 1)
+    row = [0] * prompt + [s for s in range(1, n) for _ in range(2)] + [-1] * 3
+    seg = torch.tensor([row] * rows)
+    parents = torch.tensor([[-1] + [0] * (n - 1)] * rows)
+    return masks.tree(seg, parents)
+
+
+def test_tree_masks_of_1_to_16_segments_at_one_length_compile_once(counted_flex):
+    # The tables the mask_mod reads are (B, S + 1) whatever the segment count: one graph.
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+    with torch.no_grad():
+        for n in range(1, 17):
+            m = _star_tree(64, n)
+            out = _attention_flex.flex(
+                q, k, v, m.block_mask(block_size=16), scale=None, enable_gqa=False
+            )
+            if n in (1, 7, 16):
+                ref = references.reference_attention(q, k, v, references.dense_mask(m))
+                torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=1e-4)
+    assert counted_flex.frame_count == 1
+
+
+def test_trees_on_cpu_without_grad_compile_nothing(counted_flex):
+    # The reference / old-policy pass of an RL step: new row and segment counts every step.
+    import flexpack
+
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for rows, n in itertools.product((1, 3, 5), (2, 9, 12)):
+            m = _star_tree(48, n, rows)
+            q, k, v = (torch.randn(rows, 2, 48, 16) for _ in range(3))
+            out = flexpack.attention(q, k, v, m)
+            ref = references.reference_attention(q, k, v, references.dense_mask(m))
+            torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=1e-4)
+    assert counted_flex.frame_count == 0
+
+
+def test_twelve_row_lengths_compile_one_graph_per_bucket(counted_flex):
+    # DataCollatorWithFlattening-style rows of a new length every batch, on the flex path.
+    import flexpack
+    from flexpack.attention import flex_row_length
+
+    torch.manual_seed(0)
+    lengths = [37, 64, 100, 128, 129, 150, 200, 256, 300, 333, 400, 500]
+    with torch.no_grad():
+        for S in lengths:
+            d = torch.zeros(1, S, dtype=torch.long)
+            d[:, S // 3 :] = 1
+            m = masks.document(d) & masks.causal() & masks.sliding_window(8)
+            q, k, v = (torch.randn(1, 2, S, 16) for _ in range(3))
+            out = flexpack.attention(q, k, v, m, backend="flex")
+            if S in (37, 300):
+                ref = references.reference_attention(q, k, v, references.dense_mask(m))
+                torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=1e-4)
+    buckets = {flex_row_length(S) for S in lengths}
+    assert buckets == {128, 256, 512}
+    assert counted_flex.frame_count == len(buckets)
+
+
+def test_recompile_hint_names_a_row_count_change(counted_flex):
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for B in (1, 2):
+            d = torch.zeros(B, 32, dtype=torch.int32)
+            q = torch.randn(B, 2, 32, 16)
+            bm = masks.document(d).block_mask(block_size=16)
+            if B == 1:
+                _attention_flex.flex(q, q, q, bm, scale=None, enable_gqa=False)
+                continue
+            with pytest.raises(RecompileLimitError) as err:
+                _attention_flex.flex(q, q, q, bm, scale=None, enable_gqa=False)
+    msg = str(err.value)
+    assert "size mismatch at index 0" in msg and "The number of rows B changed" in msg
+    assert "feed rows of a fixed length" not in msg  # the hint for S, which did not change
+
+
+def test_float64_and_wide_heads_on_cuda_leave_flex():
+    spec = _mask_spec(masks.document(DOC) & masks.sliding_window(4), torch.empty(1, 4, 32, 64))
+    for q in (_fake(torch.float64, D=64), _fake(torch.bfloat16, D=320)):
+        assert _choose_path(q, q, q, spec, "auto") == "sdpa_dense"
+        with pytest.raises(ValueError, match="backend='flex' cannot run"):
+            _choose_path(q, q, q, spec, "flex")

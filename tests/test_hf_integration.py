@@ -187,8 +187,8 @@ def test_clear_errors():
     q = torch.randn(1, 4, 1, 16)
     k = v = torch.randn(1, 2, 5, 16)
     attn = model.model.layers[0].self_attn
-    with pytest.raises(ValueError, match="KV cache"):
-        flexpack_attention_forward(attn, q, k, v, None)
+    with pytest.raises(ValueError, match="KV cache"):  # a cache (generation) with a row mask
+        flexpack_attention_forward(attn, q, k, v, None, flexpack_mask=object())
     q = torch.randn(1, 4, 5, 16)
     with pytest.raises(ValueError, match="doc_ids must be"):
         flexpack_attention_forward(

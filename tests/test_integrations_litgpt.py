@@ -148,7 +148,8 @@ def test_packed_token_loss_grads_equal_unpacked(kind):
     ref.backward()
     torch.testing.assert_close(loss, ref, rtol=0, atol=1e-5)
     for n, p in model.named_parameters():
-        torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
+        # fp32 summation order: Gemma's scaled, tied embedding grads (max ~1.5) differ by ~4e-6
+        torch.testing.assert_close(packed_grads[n], p.grad, rtol=1e-4, atol=1e-5, msg=n)
 
 
 @settings(max_examples=8)
@@ -579,8 +580,10 @@ def test_finetune_ddp_two_processes_equals_averaged_unpacked_gradients(workdir):
         data.setup()
         loaders.append(data.train_dataloader())
     assert len(loaders[0]) == len(loaders[1])
+    real = 0  # real tokens of both ranks: "real tokens" was rank 0's count times world size
     for _, batches in zip(range(steps), zip(*loaders, strict=True), strict=False):
         for b in batches:  # each rank's token mean, then the mean over ranks (DDP)
+            real += int((b["doc_ids"] >= 0).sum())
             total, count = 0.0, 0
             d = b["doc_ids"][0]
             for i in torch.unique(d[d >= 0]).tolist():
@@ -596,6 +599,9 @@ def test_finetune_ddp_two_processes_equals_averaged_unpacked_gradients(workdir):
     saved = torch.load(out / "final" / "lit_model.pth")["model"]
     for name, p in model.named_parameters():
         torch.testing.assert_close(saved[name], p.detach(), rtol=1e-3, atol=1e-5, msg=name)
+    assert f"Trained {steps} steps on {real:,} real tokens" in done.stdout, done.stdout[-2000:]
+    with open(out / "logs" / "version_0" / "metrics.csv") as f:
+        assert int(float(list(csv.DictReader(f))[-1]["tokens"])) == real
 
 
 @settings(max_examples=20)
@@ -623,3 +629,135 @@ def test_packed_data_module_points_pretraining_streams_to_from_eos():
     data.connect()
     with pytest.raises(TypeError, match="from_eos"):
         data.setup()
+
+
+# ----------------------------------------------------------------------------- on CUDA (faked)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma2"])
+def test_packed_forward_on_cuda_syncs_at_most_once(fake_cuda, kind):
+    # The faked CUDA device of tests/fake_cuda.py, kernels recorded (tests/test_fake_cuda_paths):
+    # Llama in bf16 reaches varlen, Gemma 2 (softcap) flex.
+    import torch.nn.attention.varlen as varlen_module
+    from test_fake_cuda_paths import Recorder
+
+    from flexpack import _attention_flex
+
+    model = make_model(kind).to(torch.bfloat16)
+    batch = packed_docs([7, 13, 4, 9, 11, 3], max_len=24)
+    with torch.no_grad():
+        want = packed_forward(model, batch.input_ids, batch.doc_ids, backend="sdpa")
+    rec = Recorder(fake_cuda)
+    _attention_flex.compiled_flex_attention.cache_clear()
+    real_flex, real_varlen = _attention_flex.compiled_flex_attention, varlen_module.varlen_attn
+    _attention_flex.compiled_flex_attention, varlen_module.varlen_attn = rec.flex, rec.varlen_attn
+    try:
+        model.to("cuda")
+        ids, doc_ids = fake_cuda.to(batch.input_ids), fake_cuda.to(batch.doc_ids)
+        with torch.no_grad(), fake_cuda.count() as syncs:
+            got = packed_forward(model, ids, doc_ids)
+    finally:
+        _attention_flex.compiled_flex_attention, varlen_module.varlen_attn = real_flex, real_varlen
+    # One per mask the forward builds: Llama's document-causal plan; Gemma 2's sliding and full
+    # layers' BlockMasks.
+    assert len(syncs) <= (1 if kind == "llama" else 2), syncs
+    assert {c.kernel for c in rec.calls} == ({"varlen"} if kind == "llama" else {"flex"})
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.float().cpu(), want.float(), atol=0.1, rtol=0.05)
+
+
+# ----------------------------------------------------------------------------- issue 20
+
+
+def _finetune_argv(workdir, *extra):
+    return [
+        "finetune", str(workdir / "ckpt"), "--out_dir", str(workdir / "out-args"),
+        "--precision", "32-true", "--progress", "false", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_finetune_max_len_must_be_positive(workdir, capsys, value):
+    # --max-len 0 trained at block size (0 or block_size); -3 was a traceback.
+    with pytest.raises(SystemExit) as exit_:
+        main(_finetune_argv(workdir, "--max-len", value))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--max-len" in err and "positive integer" in err
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--data", "JSON"], "--data JSON needs --data.json_path PATH"),
+        (["--data", "JSON", "--data.json_path", "missing.json"], "missing.json: no such file"),
+    ],
+)
+def test_finetune_json_path_missing_is_a_usage_error(workdir, capsys, extra, words):
+    # A missing --data.json_path was a traceback, after the Fabric launch.
+    with pytest.raises(SystemExit) as exit_:
+        main(_finetune_argv(workdir, *extra))
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and words in err and "Traceback" not in err
+
+
+def test_finetune_default_alpaca_offline_says_what_to_do(workdir, capsys, monkeypatch, tmp_path):
+    # The default --data Alpaca downloads its data: offline that was a requests traceback.
+    import litgpt.data.alpaca as alpaca
+
+    def offline(path, url, *args, **kwargs):
+        raise ConnectionError(
+            f"Failed to resolve host of {url}"
+        )  # what requests raises, an OSError
+
+    monkeypatch.setattr(alpaca, "download_if_missing", offline)
+    monkeypatch.chdir(tmp_path)  # Alpaca's download_dir is relative: ./data/alpaca
+    assert main(_finetune_argv(workdir)) == 2
+    err = capsys.readouterr().err
+    assert "--data Alpaca downloads its data on first use from https://" in err
+    assert "--data JSON --data.json_path FILE.json" in err and "ConnectionError" in err
+
+
+def test_finetune_max_len_above_block_size_says_it_is_fine_and_is(tmp_path, capsys, workdir):
+    # Rows longer than the model's block came with no word; they are fine: each sample is
+    # truncated to block_size and attends only within itself. The first step's loss equals the
+    # unpacked loss of the same samples, truncated to block_size, each alone through model(ids).
+    from litgpt import Tokenizer
+    from litgpt.data import JSON
+
+    block = 32
+    config = Config(**{**_COMMON, **CONFIGS["llama"], "block_size": block})
+    tiny_checkpoint(tmp_path / "ckpt", config, seed=0)
+    out = tmp_path / "out"
+    argv = [
+        "finetune", str(tmp_path / "ckpt"), "--data", "JSON",
+        "--data.json_path", str(workdir / "data.json"), "--data.val_split_fraction", "0.1",
+        "--data.mask_prompt", "false", "--max-len", "128", "--out_dir", str(out),
+        "--precision", "32-true", "--train.max_steps", "1", "--progress", "false",
+        "--eval.final_validation", "false", "--seed", "3",
+    ]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert f"Rows of 128 tokens exceed the model's block_size ({block}): fine" in text
+    with open(out / "logs" / "version_0" / "metrics.csv") as f:
+        logged = float(next(r for r in csv.DictReader(f) if r["loss"])["loss"])
+
+    model = GPT(Config.from_file(tmp_path / "ckpt" / "model_config.yaml"))
+    model.load_state_dict(torch.load(tmp_path / "ckpt" / "lit_model.pth"))
+    inner = JSON(workdir / "data.json", val_split_fraction=0.1, mask_prompt=False, num_workers=0)
+    data = PackedDataModule(inner, 128, seed=3)
+    data.connect(Tokenizer(tmp_path / "ckpt"), batch_size=1, max_seq_length=block)
+    data.setup()
+    data.set_epoch(0)
+    b = next(iter(data.train_dataloader()))
+    total, count, longest = 0.0, 0, 0
+    d = b["doc_ids"][0]
+    for i in torch.unique(d[d >= 0]).tolist():
+        pos = torch.nonzero(d == i).reshape(-1)
+        longest = max(longest, len(pos))
+        with torch.no_grad():
+            logits = model(b["input_ids"][0, pos][None])[0]
+        target = b["labels"][0, pos][1:]
+        total = total + F.cross_entropy(logits[:-1], target, reduction="sum")
+        count += int((target != -100).sum())
+    assert longest == block and int((d >= 0).sum()) > block  # truncated docs, a row past block
+    assert count > 0 and abs(logged - float(total / count)) < 1e-4

@@ -69,3 +69,20 @@ def test_global_plan_rows_match_materialize_and_errors(local_ray):
     bad_ds = ray.data.from_items(bad).repartition(3)
     with pytest.raises(ValueError, match="sample 100 has"):
         pack_ray_dataset(bad_ds, 32, overflow="split")
+
+
+def test_a_null_labels_row_is_labelled_by_its_tokens(local_ray):
+    # The rule of every flexpack path (docs/data.md): pack_ray_dataset refused null labels rows.
+    # Three blocks: some null rows, all null (Arrow type null), none null.
+    ids = [[1, 2, 3], [4, 5], [6, 7, 8], [9, 10], [11, 12, 13], [14]]
+    labels = [[-100, 2, 3], None, None, None, [-100, 12, 13], [-100]]
+    explicit = [ids[i] if lab is None else lab for i, lab in enumerate(labels)]
+
+    def run(labs, **kw):
+        items = [{"input_ids": s, "labels": lab} for s, lab in zip(ids, labs, strict=True)]
+        ds = ray.data.from_items(items).repartition(3)
+        rows = sorted(pack_ray_dataset(ds, 8, **kw).take_all(), key=lambda r: r["row"])
+        return [np.asarray(r["labels"]).tolist() for r in rows]
+
+    for kw in ({}, {"padded": True}):
+        assert run(labels, **kw) == run(explicit, **kw)

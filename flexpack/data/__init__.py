@@ -15,7 +15,12 @@ Hugging Face datasets and Ray live in ``flexpack.integrations.datasets`` / ``.ra
 """
 
 from flexpack.data.collate import MaskedBatch, collate, collate_with_mask
-from flexpack.data.dataset import DistributedPackedSampler, PackedDataset, shard_rows
+from flexpack.data.dataset import (
+    DistributedPackedSampler,
+    PackedDataset,
+    flops_weights,
+    shard_rows,
+)
 from flexpack.data.streaming import PackedIterableDataset, StreamStats
 
 __all__ = [
@@ -26,5 +31,6 @@ __all__ = [
     "StreamStats",
     "collate",
     "collate_with_mask",
+    "flops_weights",
     "shard_rows",
 ]

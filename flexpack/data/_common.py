@@ -16,12 +16,24 @@ from typing import Any
 
 import numpy as np
 
+from flexpack.layout import _as_int64_ids
+
 _TOKEN_KINDS = "iu"
+
+
+# What to pass for each positive-int argument, said in its error (4096 fits max_len, not ranks).
+_POSITIVE_HINTS = {
+    "max_len": "pass the row length in tokens, e.g. max_len=4096",
+    "world_size": "pass the number of ranks, e.g. world_size=torch.distributed.get_world_size()",
+    "num_replicas": "pass the number of ranks, e.g. "
+    "num_replicas=torch.distributed.get_world_size()",
+}
 
 
 def check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value!r}; pass e.g. {name}=4096.")
+        hint = _POSITIVE_HINTS.get(name, f"pass an int >= 1 for {name}")
+        raise ValueError(f"{name} must be a positive int, got {value!r}; {hint}.")
     return int(value)
 
 
@@ -47,7 +59,7 @@ def as_tokens(sample: Any, where: str) -> np.ndarray:
             f"{where} has shape {arr.shape} and dtype {arr.dtype}, expected a 1-D sequence of "
             "integer token ids; tokenize the samples first."
         )
-    return arr.astype(np.int64, copy=False)
+    return _as_int64_ids(arr, where)
 
 
 def _is_arrow(obj: Any) -> bool:
@@ -151,13 +163,16 @@ def _first(mask: Any) -> int:
     return int(np.flatnonzero(np.asarray(mask, dtype=bool))[0])
 
 
-def check_list_chunk(chunk: Any, name: str, base: int = 0) -> np.ndarray:
+def check_list_chunk(chunk: Any, name: str, base: int = 0, labels: bool = False) -> np.ndarray:
     """(n,) int64 lengths of one Arrow ``list<int>`` array, after checking that no row is null,
-    no token is null and no uint64 value exceeds int64 (rows named from ``base``)."""
+    no token is null and no uint64 value exceeds int64 (rows named from ``base``).
+
+    For a labels column (``labels=True``) a null row is allowed, its length -1: the sample has
+    no labels and is labelled by its tokens, as a dict sample without the labels key is."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if chunk.null_count:
+    if chunk.null_count and not labels:
         row = base + _first(pc.is_null(chunk))
         raise ValueError(
             f"{name} row {row} is null (no token list); drop or fill null rows first (for a "
@@ -180,7 +195,7 @@ def check_list_chunk(chunk: Any, name: str, base: int = 0) -> np.ndarray:
             f"{name} row {row} holds a uint64 token id >= 2**63; flexpack stores token ids as "
             "int64: map the ids below 2**63 first."
         )
-    return np.asarray(pc.list_value_length(chunk), dtype=np.int64)
+    return np.asarray(pc.fill_null(pc.list_value_length(chunk), -1), dtype=np.int64)
 
 
 def value_range(chunk: Any) -> tuple[int, int]:
@@ -198,6 +213,13 @@ def _chunks(col: Any) -> list[Any]:
     import pyarrow as pa
 
     return list(col.chunks) if isinstance(col, pa.ChunkedArray) else [col]
+
+
+def _is_null_type(typ: Any) -> bool:
+    """Arrow type ``null``: a column in which every row is null (datasets' type for it)."""
+    import pyarrow as pa
+
+    return pa.types.is_null(typ)
 
 
 def _check_list_type(typ: Any, name: str, labels: bool = False) -> None:
@@ -248,7 +270,8 @@ class ArrowSource:
         if self.labels is not None:
             lab, base = [], 0
             for chunk in _chunks(self.labels):
-                lab.append(check_list_chunk(chunk, f"column {self.labels_name!r}", base))
+                name = f"column {self.labels_name!r}"
+                lab.append(check_list_chunk(chunk, name, base, labels=True))
                 a, b = value_range(chunk) if scan_values else (0, 0)
                 lo, hi, base = min(lo, a), max(hi, b), base + len(chunk)
             labels = np.concatenate(lab) if lab else lengths[:0]
@@ -264,7 +287,8 @@ class ArrowSource:
 
 
 def check_labels(lengths: np.ndarray, label_lengths: np.ndarray, base: int, column: Any) -> None:
-    bad = np.flatnonzero(lengths != label_lengths)
+    """A length error for the first sample whose labels (length -1: a null row, none) differ."""
+    bad = np.flatnonzero((label_lengths >= 0) & (lengths != label_lengths))
     if len(bad):
         i = int(bad[0])
         check_label_length(base + i, int(lengths[i]), int(label_lengths[i]), column)
@@ -273,8 +297,25 @@ def check_labels(lengths: np.ndarray, label_lengths: np.ndarray, base: int, colu
 def items_of(tokens: list[np.ndarray], labels: Any, indices: np.ndarray) -> list[Any]:
     if labels is None:
         return list(tokens)
-    labs = split_list_array(labels.take(np.asarray(indices, dtype=np.int64)))
-    return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labs, strict=True)]
+    return with_labels(tokens, labels.take(np.asarray(indices, dtype=np.int64)))
+
+
+def with_labels(tokens: list[np.ndarray], labels: Any) -> list[Any]:
+    """Items of ``tokens`` with the rows of the Arrow list column ``labels``; a sample whose labels
+    row is null is labelled by its tokens (a bare token array, as without a labels column)."""
+    import pyarrow as pa
+
+    if isinstance(labels, pa.ChunkedArray):
+        labels = labels.combine_chunks() if labels.num_chunks != 1 else labels.chunk(0)
+    if not labels.null_count:
+        labs = split_list_array(labels)
+        return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labs, strict=True)]
+    null = np.asarray(labels.is_null(), dtype=bool)
+    labs = split_list_array(labels.fill_null(pa.scalar([], labels.type)))
+    return [
+        t if n else {"input_ids": t, "labels": lab}
+        for t, lab, n in zip(tokens, labs, null.tolist(), strict=True)
+    ]
 
 
 def split_list_array(arr: Any) -> list[np.ndarray]:
@@ -308,11 +349,14 @@ class HFSource:
             )
         if labels_column == column or labels_column not in ds.column_names:
             labels_column = None
+        elif _is_null_type(ds.data.column(labels_column).type):
+            labels_column = None  # every labels row is null: every sample labelled by its tokens
         cols = [column] + ([labels_column] if labels_column else [])
         self.ds = ds.with_format("arrow", columns=cols)
         self.column = column
         self.labels_column = labels_column
         self.value_range = (0, 0)
+        self.null_labels: np.ndarray | None = None  # (N,) bool after lengths(): labels row null
         _check_list_type(self.ds.data.column(column).type, f"column {column!r}")
         if labels_column:
             typ = self.ds.data.column(labels_column).type
@@ -324,7 +368,7 @@ class HFSource:
     def lengths(self, batch_size: int = 1 << 16, scan_values: bool = False) -> np.ndarray:
         """All lengths, checking rows for nulls and labels for their length on the way; with
         ``scan_values`` also records ``value_range``, the (min, max) of the ids and labels."""
-        parts, lo, hi, base = [], 0, 0, 0
+        parts, lo, hi, base, label_parts = [], 0, 0, 0, []
         for tbl in self.ds.iter(batch_size=batch_size):
             mine, n = [], 0
             for chunk in _chunks(tbl.column(self.column)):
@@ -335,12 +379,17 @@ class HFSource:
             if self.labels_column:
                 lab, m = [], 0
                 for chunk in _chunks(tbl.column(self.labels_column)):
-                    lab.append(check_list_chunk(chunk, f"column {self.labels_column!r}", base + m))
+                    name = f"column {self.labels_column!r}"
+                    lab.append(check_list_chunk(chunk, name, base + m, labels=True))
                     a, b = value_range(chunk) if scan_values else (0, 0)
                     lo, hi, m = min(lo, a), max(hi, b), m + len(chunk)
                 check_labels(np.concatenate(mine), np.concatenate(lab), base, self.labels_column)
+                label_parts += lab
             base += n
         self.value_range = (lo, hi)
+        if label_parts:
+            null = np.concatenate(label_parts) < 0
+            self.null_labels = null if bool(null.any()) else None
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -387,8 +436,7 @@ class HFSource:
         tokens = split_list_array(tbl.column(self.column))
         if not self.labels_column:
             return tokens
-        labs = split_list_array(tbl.column(self.labels_column))
-        return [{"input_ids": t, "labels": lab} for t, lab in zip(tokens, labs, strict=True)]
+        return with_labels(tokens, tbl.column(self.labels_column))
 
 
 @functools.cache
@@ -433,6 +481,8 @@ def as_source(
             labels = None
             if labels_column is not None and labels_column in samples.column_names:
                 labels = samples.column(labels_column)
+                if _is_null_type(labels.type):  # all null: every sample labelled by its tokens
+                    labels = None
             name = repr(column or "input_ids")
             col = samples.column(column or "input_ids")
             return ArrowSource(col, name, labels, labels_column or "labels")

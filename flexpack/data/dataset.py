@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.batch import PackedBatch
+from flexpack.batch import PackedBatch, _check_pad_id
 from flexpack.data._common import (
     _is_arrow,
     _is_hf_dataset,
@@ -30,10 +30,13 @@ def shard_rows(
     seed: int = 0,
     epoch: int = 0,
     remainder: str = "drop",
+    cost: str = "tokens",
+    sum_sq: Any = None,
+    flops: tuple[float, float] | None = None,
 ) -> np.ndarray:
-    """Deal rows to ``world_size`` ranks: equal counts, balanced real tokens per step.
+    """Deal rows to ``world_size`` ranks: equal counts, balanced cost (real tokens) per step.
 
-    Rows are sorted by real-token count and cut into groups of ``world_size`` neighbours; each
+    Rows are sorted by cost and cut into groups of ``world_size`` neighbours; each
     group is dealt out one row per rank (snake order, or a seeded random order when ``shuffle``),
     and with ``shuffle`` the order of the groups is a seeded permutation of ``(seed, epoch)``.
     Column ``j`` of the result is one group, so the rows that ranks process at the same step
@@ -45,29 +48,46 @@ def shard_rows(
     when ``shuffle``, else the fullest) so that every row is seen and a few twice; ``"error"``
     raises unless the rows divide evenly.
 
+    The cost of a row is ``cost="tokens"`` (default): its real tokens; or ``cost="flops"``:
+    ``a * tokens + b * sum_sq``, the matmul term plus the attention term of its documents
+    (``sum_sq``: the sum over the row's documents of length squared), with ``(a, b) = flops``.
+    Rows packed full have nearly equal tokens but attention work that differs many-fold (one
+    8K document vs. thirty 256-token ones): "flops" keeps those apart, so that each step's
+    ranks carry similar compute. :func:`flops_weights` gives ``(a, b)`` from model dims; verl's
+    heuristic ``24576 * s + s^2`` is ``flops=(24576, 1)`` (a model of hidden size 2048).
+
     Args:
         num_tokens: (R,) int, real (non-padding) tokens per row.
         world_size: number of data-parallel ranks.
+        cost: "tokens" or "flops".
+        sum_sq: (R,) int, sum of squared document lengths per row (``cost="flops"``).
+        flops: ``(a, b)`` (``cost="flops"``), e.g. ``flops_weights(params=..., layers=...,
+            hidden=...)``.
 
     Returns:
         (world_size, R // world_size or ceil(R / world_size)) int64 row indices; row ``r`` of it
         lists rank ``r``'s rows in order.
 
     Raises:
-        ValueError: world_size < 1, an unknown remainder, remainder="error" with rows that do not
-            divide, or fewer rows than ranks with remainder="drop".
+        ValueError: world_size < 1, an unknown remainder or cost, remainder="error" with rows that
+            do not divide, fewer rows than ranks with remainder="drop", or cost="flops" without
+            ``sum_sq`` (of R entries) and ``flops``.
 
     Example:
         >>> shard_rows([10, 50, 30, 40, 20], 2, remainder="drop")  # 50+20 and 40+30 tokens
         array([[1, 4],
                [3, 2]])
+        >>> # 4 full rows: two of one 64-token document, two of sixteen 4-token ones
+        >>> shard_rows([64] * 4, 2, cost="flops", sum_sq=[4096, 256, 4096, 256], flops=(24, 1))
+        array([[0, 3],
+               [2, 1]])
     """
     world_size = check_positive_int("world_size", world_size)
     check_choice("remainder", remainder, _REMAINDERS)
     for name, value in (("seed", seed), ("epoch", epoch)):  # numpy's message names neither
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}; pass e.g. {name}=0.")
-    tokens = np.asarray(num_tokens, dtype=np.int64).reshape(-1)
+    tokens = _row_cost(np.asarray(num_tokens, dtype=np.int64).reshape(-1), cost, sum_sq, flops)
     n = len(tokens)
     rng = np.random.default_rng([int(seed), int(epoch)])
     order = rng.permutation(n) if shuffle else np.arange(n)
@@ -102,6 +122,71 @@ def shard_rows(
         groups = groups.copy()
         groups[1::2] = groups[1::2, ::-1]  # snake: no rank always gets the fullest row
     return np.ascontiguousarray(groups.T, dtype=np.int64)
+
+
+_COSTS = ("tokens", "flops")
+
+
+def flops_weights(*, params: float, layers: int, hidden: int) -> tuple[float, float]:
+    """``(a, b)`` of ``shard_rows(cost="flops")``: training FLOPs of a row = ``a * tokens + b *
+    sum(len^2)`` over its documents, for a decoder of ``params`` (non-embedding) parameters,
+    ``layers`` layers of width ``hidden`` under a document-causal mask.
+
+    Forward and backward take ~6 FLOPs per parameter per token (``a = 6 * params``); per layer,
+    ``q @ k^T`` and ``p @ v`` take 2 * hidden FLOPs per (query, key) pair each, over ``len^2 / 2``
+    causal pairs, three times for forward and backward: ``b = 6 * layers * hidden``. Only the
+    ratio matters for the balance; ``a / b = params / (layers * hidden)``, about ``12 * hidden``
+    (verl's 24576 is ``hidden = 2048``).
+
+    Example:
+        >>> flops_weights(params=7e9, layers=32, hidden=4096)  # Llama-2 7B
+        (42000000000.0, 786432.0)
+    """
+    for name, value in (("params", params), ("layers", layers), ("hidden", hidden)):
+        if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
+            raise ValueError(f"{name} must be a positive number, got {value!r}")
+    return 6.0 * float(params), 6.0 * float(layers) * float(hidden)
+
+
+def _row_cost(tokens: np.ndarray, cost: str, sum_sq: Any, flops: Any) -> np.ndarray:
+    """(R,) cost of each row: int64 tokens, or float64 ``a * tokens + b * sum_sq``."""
+    check_choice("cost", cost, _COSTS)
+    if cost == "tokens":
+        return tokens
+    if sum_sq is None or flops is None:
+        raise ValueError(
+            'cost="flops" needs sum_sq (per row, the sum of its document lengths squared) and '
+            "flops=(a, b); e.g. flops=flexpack.data.dataset.flops_weights(params=7e9, "
+            "layers=32, hidden=4096), or flops=(24576, 1) for verl's heuristic."
+        )
+    sq = np.asarray(sum_sq, dtype=np.float64).reshape(-1)
+    if sq.shape != tokens.shape:
+        raise ValueError(
+            f"sum_sq has {sq.shape[0]} entries but num_tokens has {tokens.shape[0]}; pass one "
+            "per row."
+        )
+    try:
+        a, b = (float(x) for x in flops)
+    except (TypeError, ValueError):
+        raise ValueError(f"flops must be a pair (a, b) of numbers, got {flops!r}") from None
+    return a * tokens + b * sq
+
+
+def _dataset_sum_sq(dataset: Any) -> np.ndarray:
+    """(R,) float64 sum of squared document lengths of each row a PackedDataset serves."""
+    if hasattr(dataset, "sum_sq"):
+        return np.asarray(dataset.sum_sq, dtype=np.float64).reshape(-1)
+    plan = getattr(dataset, "plan", None)
+    if plan is None:
+        raise ValueError(
+            "cost=\"flops\" reads each row's document lengths from the dataset's pack plan, and "
+            f"{type(dataset).__name__} has none (rows read packed already, or an array of "
+            "token counts); pass sum_sq= (per row, the sum of its document lengths squared)."
+        )
+    seg = plan.segments
+    lengths = (seg[:, 3] - seg[:, 2]).astype(np.float64)
+    per_row = np.bincount(seg[:, 0], weights=lengths**2, minlength=plan.num_rows)
+    return per_row[dataset.rows]
 
 
 class PackedDataset(torch.utils.data.Dataset):
@@ -164,7 +249,7 @@ class PackedDataset(torch.utils.data.Dataset):
         from flexpack.packing import pack
 
         self.max_len = check_positive_int("max_len", max_len)
-        self.pad_id = int(pad_id)
+        self.pad_id = _check_pad_id(pad_id)  # int(1.7) would write token 1 silently
         self._stored: _StoredRows | None = None
         if _StoredRows.holds(samples, column):
             self._stored = _StoredRows(samples, self.max_len, labels_column)
@@ -241,6 +326,8 @@ class PackedDataset(torch.utils.data.Dataset):
             if not -len(self) <= index < len(self):
                 raise IndexError(f"row index {index} out of range for {len(self)} rows")
             rows.append(int(self._rows[index]))
+        if not rows:  # one result per index: none (a 0-row batch would be one result)
+            return []
         if self._stored is not None:
             batch = self._stored.read(rows, self.pad_id)
             return _split_rows(batch) if len(rows) > 1 else [batch]
@@ -398,9 +485,17 @@ class DistributedPackedSampler(torch.utils.data.Sampler[int]):
     With a DataLoader ``batch_size=b``, global step ``t`` is groups ``t*b .. t*b+b-1``: each rank
     holds one row from each group of similar rows, so real tokens are balanced across ranks.
 
+    ``cost="flops"`` balances training compute instead of tokens (see ``shard_rows``): each
+    row costs ``a * tokens + b * sum(len^2)`` over its documents, ``(a, b) = flops`` (e.g.
+    ``flops_weights(params=..., layers=..., hidden=...)``); document lengths come from a
+    ``PackedDataset``'s plan, or pass ``sum_sq``.
+
     Args:
         dataset: anything with ``num_tokens`` (R,) int (a ``PackedDataset``), or that array itself.
         num_replicas, rank: default to ``torch.distributed`` (1 and 0 when not initialized).
+        cost: "tokens" (default) or "flops".
+        sum_sq: (R,) sum of squared document lengths per row; default: from the dataset's plan.
+        flops: ``(a, b)`` for ``cost="flops"``.
 
     Example:
         >>> ds = PackedDataset([[1] * 3, [2] * 2, [3] * 4, [4] * 1, [5] * 5], max_len=5)
@@ -419,9 +514,16 @@ class DistributedPackedSampler(torch.utils.data.Sampler[int]):
         shuffle: bool = True,
         seed: int = 0,
         remainder: str = "drop",
+        cost: str = "tokens",
+        sum_sq: Any = None,
+        flops: tuple[float, float] | None = None,
     ) -> None:
         tokens = getattr(dataset, "num_tokens", dataset)
         self.num_tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.cost = check_choice("cost", cost, _COSTS)
+        if cost == "flops" and sum_sq is None:
+            sum_sq = _dataset_sum_sq(dataset)
+        self.sum_sq, self.flops = sum_sq, flops
         self.rank, self.num_replicas = _dist_default(rank, num_replicas)
         self.shuffle = bool(shuffle)
         self.seed = int(seed)
@@ -441,6 +543,9 @@ class DistributedPackedSampler(torch.utils.data.Sampler[int]):
             seed=self.seed,
             epoch=self.epoch,
             remainder=self.remainder,
+            cost=self.cost,
+            sum_sq=self.sum_sq,
+            flops=self.flops,
         )[self.rank]
 
     def __iter__(self) -> Iterator[int]:

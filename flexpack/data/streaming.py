@@ -20,10 +20,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.batch import _from_pieces
+from flexpack.batch import _check_pad_id, _from_pieces
 from flexpack.data._common import (
     HFSource,
+    _check_list_type,
     _is_hf_dataset,
+    _is_null_type,
     as_tokens,
     check_choice,
     check_label_length,
@@ -197,7 +199,7 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             raise TypeError(f"sync_ranks must be True or False, got {sync_ranks!r}.")
         self.column = column
         self.labels_column = labels_column
-        self.pad_id = int(pad_id)
+        self.pad_id = _check_pad_id(pad_id)  # int(1.7) would write token 1 silently
         self.rank, self.world_size = _dist_default(rank, world_size)
         node = getattr(iterable, "_distributed", None)  # datasets' split_dataset_by_node marker
         if self.world_size > 1 and node is not None and _is_hf_dataset(iterable):
@@ -410,7 +412,10 @@ class PackedIterableDataset(torch.utils.data.IterableDataset):
             lazy = HFSource(self.iterable, self.column or "input_ids")
             names = self.iterable.column_names
             if self.labels_column is not None and self.labels_column in names:
-                lazy_labels = HFSource(self.iterable, self.labels_column)
+                labels_type = self.iterable.data.column(self.labels_column).type
+                if not _is_null_type(labels_type):  # all null: labelled by the tokens
+                    _check_list_type(labels_type, f"column {self.labels_column!r}", labels=True)
+                    lazy_labels = HFSource(self.iterable, self.labels_column)
 
         tokens: dict[int, Any] = {}
         labels: dict[int, Any] = {}  # per-sample labels of the samples in ``tokens`` that have them

@@ -74,6 +74,31 @@ def _gather(
     return out
 
 
+def _labels(
+    source: HFSource,
+    seg: np.ndarray,
+    seqlens: np.ndarray,
+    starts: np.ndarray,
+    ids: np.ndarray,
+    dtype: str,
+    taken: dict[str, Any],
+) -> np.ndarray:
+    """(T,) labels of the segments ``seg``: the labels column's, the tokens ``ids`` for samples
+    whose labels row is null (labelled by their tokens, as on every other path). A null row has
+    no values to read, so only the other segments are gathered, then scattered into place."""
+    null = source.null_labels
+    if null is None:
+        return _gather(source, source.labels_column, seg, starts, dtype, taken)
+    labels = ids.copy()
+    keep = ~null[seg[:, 1]]
+    if keep.any():
+        part_len = seqlens[keep]
+        part_starts = np.cumsum(part_len) - part_len
+        part = _gather(source, source.labels_column, seg[keep], part_starts, dtype, {})
+        labels[np.repeat(starts[keep] - part_starts, part_len) + np.arange(part.size)] = part
+    return labels
+
+
 def _build_unpadded(batch: dict[str, list[int]], *, source: HFSource, plan: Any, dtype: str) -> Any:
     """Arrow rows: tokens gathered by fancy indexing (no Python per token or per segment)."""
     import pyarrow as pa
@@ -96,7 +121,7 @@ def _build_unpadded(batch: dict[str, list[int]], *, source: HFSource, plan: Any,
     ids = _gather(source, source.column, seg, starts, dtype, taken)
     out = {"input_ids": lists(ids, row_off, typ)}
     if source.labels_column:
-        labels = _gather(source, source.labels_column, seg, starts, dtype, taken)
+        labels = _labels(source, seg, seqlens, starts, ids, dtype, taken)
         labels[starts] = -100  # a document's first token is never predicted
         out["labels"] = lists(labels, row_off, typ)
     out["seqlens"] = lists(seqlens.astype(np.int32), doc_off, pa.int32())

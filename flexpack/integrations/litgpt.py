@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from flexpack import masks as _masks
 from flexpack.attention import attention
-from flexpack.layout import PackedLayout
+from flexpack.models.gpt import _positions_in_documents
 
 __all__ = ["PackedDataModule", "PackedGPT", "lr_schedule", "main", "packed_forward"]
 
@@ -222,8 +222,8 @@ def packed_forward(
     n_cached = model.cos.size(0)
     # Layout positions stay below S; positions given by the caller are checked (one host sync).
     check = position_ids is not None or S > n_cached
-    if position_ids is None:
-        position_ids = PackedLayout.from_doc_ids(doc_ids).position_ids
+    if position_ids is None:  # per-document positions, computed on the device: no host sync
+        position_ids = _positions_in_documents(doc_ids)
     position_ids = position_ids.long()
     if check and int(position_ids.max()) >= n_cached:
         raise ValueError(
@@ -563,6 +563,23 @@ def lr_schedule(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+class _UserError(Exception):
+    """A problem with the command's input: printed as ``error: ...``, exit status 2."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer, got {value}; leave --max-len out for the model's "
+            "block_size"
+        )
+    return value
+
+
 def _bool(text: str) -> bool:
     value = text.strip().lower()
     if value in ("1", "true", "yes", "on"):
@@ -595,9 +612,10 @@ def _parser() -> argparse.ArgumentParser:
         "--max-len",
         "--max_len",
         dest="max_len",
-        type=int,
+        type=_positive_int,
         default=None,
-        help="tokens per packed row (default: the model's block_size)",
+        help="tokens per packed row (default: the model's block_size); above block_size is "
+        "fine: samples are truncated to block_size and attend only within themselves",
     )
     p.add_argument(
         "--precision",
@@ -667,9 +685,36 @@ def _make_data(args: argparse.Namespace) -> Any:
         value = getattr(args, name)
         if value is not None:
             kwargs[name] = value
-    if args.data == "JSON" and "json_path" not in kwargs:
-        raise ValueError("--data JSON needs --data.json_path PATH (a .json/.jsonl file or folder)")
     return cls(**kwargs)
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit status 2, no traceback) for what can be checked before any work."""
+    if args.data == "JSON" and args.json_path is None:
+        parser.error("--data JSON needs --data.json_path PATH (a .json/.jsonl file or a folder)")
+    if args.json_path is not None and not Path(args.json_path).exists():
+        parser.error(
+            f"--data.json_path {args.json_path}: no such file or folder; pass a .json/.jsonl "
+            "file of {instruction, input, output} records, or a folder with train.json and "
+            "val.json"
+        )
+
+
+def _prepare(data: Any, args: argparse.Namespace) -> None:
+    """``data.prepare_data()``; a failed download (offline, no ``requests``) says what to do."""
+    try:
+        data.prepare_data()
+    except (OSError, ImportError) as e:
+        inner = getattr(data, "data", data)
+        url = getattr(inner, "file_url", None)
+        folder = getattr(inner, "download_dir", None)
+        where = f" from {url}" if url else ""
+        to = f" into {folder}" if folder is not None else ""
+        raise _UserError(
+            f"--data {args.data} downloads its data on first use{where}{to}, and that failed "
+            f"({type(e).__name__}: {e}). Offline, download the file elsewhere and copy it there, "
+            "or train on a local file: --data JSON --data.json_path FILE.json"
+        ) from e
 
 
 def _validate(fabric: Any, packed: nn.Module, loader: Any, reduction: str) -> float:
@@ -708,6 +753,14 @@ def _save(fabric: Any, model: nn.Module, directory: Path, checkpoint_dir: Path, 
         (directory / "hyperparameters.yaml").write_text(yaml.safe_dump(hparams, sort_keys=True))
 
 
+def _sum_over_ranks(fabric: Any, *counts: int) -> list[int]:
+    """The ``counts`` summed over the data-parallel ranks (one all_reduce; a no-op on one)."""
+    if fabric.world_size == 1:
+        return list(counts)
+    t = torch.tensor(counts, dtype=torch.int64, device=fabric.device)
+    return [int(x) for x in fabric.all_reduce(t, reduce_op="sum").tolist()]
+
+
 def finetune(args: argparse.Namespace) -> dict[str, Any]:
     """Run the fine-tuning that :func:`main` parsed; returns the final metrics."""
     _import_litgpt()
@@ -742,13 +795,20 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         tokenizer, batch_size=args.micro_batch_size, max_seq_length=min(max_len, config.block_size)
     )
     with fabric.rank_zero_first():
-        data.prepare_data()
+        _prepare(data, args)
     data.setup()
     stats = data.train_plan.stats
     fabric.print(
         f"Packed {stats.samples:,} training samples into {stats.rows:,} rows of {max_len} "
         f"tokens ({stats.efficiency:.1%} tokens, lower bound {stats.lower_bound_rows:,} rows)"
     )
+    if max_len > config.block_size:
+        fabric.print(
+            f"Rows of {max_len} tokens exceed the model's block_size ({config.block_size}): "
+            f"fine, each sample is truncated to {config.block_size} tokens and attends only "
+            "within itself with positions from 0, so the model never sees a longer context; "
+            "a row only holds more samples."
+        )
 
     with fabric.init_module(empty_init=fabric.world_size > 1):
         model = GPT(config)
@@ -777,7 +837,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 
         bar = tqdm(total=max_steps, desc="finetune (packed)", unit="step", file=sys.stderr)
     step = iteration = 0
-    tokens_seen = 0
+    tokens_seen = mine = 0  # real tokens: of all ranks (at each log), of this rank
     metrics: dict[str, Any] = {}
     start = time.perf_counter()
     epoch = 0
@@ -803,10 +863,12 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
                 optimizer.zero_grad()
                 scheduler.step()
                 step += 1
-            real = int((batch["doc_ids"] >= 0).sum()) * fabric.world_size
-            tokens_seen += real
+            real = int((batch["doc_ids"] >= 0).sum())  # this rank's
+            mine += real
             dt = time.perf_counter() - t0
             if iteration % args.log_interval == 0:
+                # Ranks hold different rows: sum their counts (every rank logs at this iteration).
+                real, tokens_seen = _sum_over_ranks(fabric, real, mine)
                 metrics = {
                     "loss": loss.item(),
                     "iter": iteration,
@@ -827,6 +889,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         epoch += 1
     if bar is not None:
         bar.close()
+    _, tokens_seen = _sum_over_ranks(fabric, 0, mine)
     elapsed = time.perf_counter() - start
     fabric.print(
         f"Trained {step} steps on {tokens_seen:,} real tokens in {elapsed:.1f} s "
@@ -849,7 +912,9 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m flexpack.integrations.litgpt finetune CHECKPOINT_DIR ...``; returns 0.
+    """``python -m flexpack.integrations.litgpt finetune CHECKPOINT_DIR ...``; returns 0, or 2.
+
+    2 is a user error (a failed data download), printed as ``error: ...`` without a traceback.
 
     ``argv`` are the arguments after the command (a leading ``"finetune"`` or
     ``"litgpt-finetune"`` is accepted, so ``flexpack litgpt-finetune`` can forward its argv); see
@@ -866,8 +931,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("finetune", "litgpt-finetune"):
         argv = argv[1:]
-    args = _parser().parse_args(argv)
-    finetune(args)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    try:
+        finetune(args)
+    except _UserError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

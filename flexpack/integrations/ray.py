@@ -40,7 +40,10 @@ def _block_lengths(
 ) -> tuple[np.ndarray, np.ndarray | None, tuple[int, int]]:
     """(n,) lengths of the block's samples, their labels' lengths and the (min, max) of all
     values; a null row or token is a ValueError naming the row by its index in the whole
-    dataset (``base`` + local index)."""
+    dataset (``base`` + local index). A null labels row has length -1: no labels, the sample is
+    labelled by its tokens (as on every flexpack path)."""
+    import pyarrow as pa
+
     from flexpack.data._common import _chunks, check_list_chunk, value_range
 
     if column not in table.column_names:
@@ -52,17 +55,21 @@ def _block_lengths(
 
     lo, hi = 0, 0
 
-    def lengths(col: str) -> np.ndarray:
+    def lengths(col: str, labels: bool = False) -> np.ndarray:
         nonlocal lo, hi
         parts, n = [], base
         for chunk in _chunks(table.column(col)):
-            parts.append(check_list_chunk(chunk, f"column {col!r}", n))
+            if labels and pa.types.is_null(chunk.type):  # a block of null labels rows
+                parts.append(np.full(len(chunk), -1, np.int64))
+                n += len(chunk)
+                continue
+            parts.append(check_list_chunk(chunk, f"column {col!r}", n, labels=labels))
             a, b = value_range(chunk)
             lo, hi, n = min(lo, a), max(hi, b), n + len(chunk)
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
     ids = lengths(column)
-    return ids, lengths(labels_column) if labels_column else None, (lo, hi)
+    return ids, lengths(labels_column, labels=True) if labels_column else None, (lo, hi)
 
 
 def _block_pieces(table: Any, column: str, labels_column: str | None, segs: np.ndarray) -> Any:
@@ -70,17 +77,26 @@ def _block_pieces(table: Any, column: str, labels_column: str | None, segs: np.n
     stop."""
     import pyarrow as pa
 
-    def pieces(col: str) -> Any:
-        tokens = split_list_array(table.column(col))
-        return pa.array([tokens[s][a:b] for s, a, b in segs[:, 2:].tolist()], pa.list_(pa.int64()))
+    def pieces(rows: list[np.ndarray]) -> Any:
+        return pa.array([rows[s][a:b] for s, a, b in segs[:, 2:].tolist()], pa.list_(pa.int64()))
 
+    tokens = split_list_array(table.column(column))
     out = {
         "row": pa.array(segs[:, 0], pa.int64()),
         "slot": pa.array(segs[:, 1], pa.int64()),
-        "tokens": pieces(column),
+        "tokens": pieces(tokens),
     }
     if labels_column:
-        out["labels"] = pieces(labels_column)
+        labels = table.column(labels_column)
+        if pa.types.is_null(labels.type):  # every labels row null: labelled by the tokens
+            rows = tokens
+        elif labels.null_count:  # a null labels row: labelled by its tokens
+            null = np.asarray(labels.is_null(), dtype=bool).tolist()
+            filled = split_list_array(labels.fill_null(pa.scalar([], labels.type)))
+            rows = [t if n else lab for t, lab, n in zip(tokens, filled, null, strict=True)]
+        else:
+            rows = split_list_array(labels)
+        out["labels"] = pieces(rows)
     return pa.table(out)
 
 

@@ -18,8 +18,9 @@ of the model call (flexpack rows; -1 marks padding), a ``seq_idx`` keyword
 (``DataCollatorWithFlattening(return_seq_idx=True)``), or the ``position_ids`` (a new document
 wherever the position does not go up by one, transformers' own packed-sequence rule, so
 ``DataCollatorWithFlattening`` batches work too). A 2-D ``attention_mask`` marks padding. The mask
-is built once per forward and shared by the layers. transformers is imported lazily, inside the
-functions (extra ``hf``).
+is built once per forward and shared by the layers. ``generate()`` works too: with a KV cache the
+queries meet transformers' own cache mask, so decoding gives ``sdpa``'s tokens. transformers is
+imported lazily, inside the functions (extra ``hf``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack.integrations import multimodal
+from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
+
 NAME = "flexpack"
 
-__all__ = ["NAME", "flexpack_attention_forward", "packed_forward_kwargs", "register"]
+__all__ = [
+    "NAME",
+    "collate_multimodal",
+    "flexpack_attention_forward",
+    "pack_multimodal",
+    "packed_forward_kwargs",
+    "register",
+]
 
 # Every layer of a forward receives the same doc_ids/position_ids tensors, so the document ids are
 # derived for the first layer and reused by the others (and by the next forward on the same
@@ -87,9 +98,37 @@ def register(name: str = NAME) -> str:
     return name
 
 
-def _pass_padding_mask(*, attention_mask: Tensor | None = None, **_: Any) -> Tensor | None:
-    """AttentionMaskInterface entry: the (B, KV) bool padding mask or None, never an (S, S) mask."""
-    return attention_mask
+def _pass_padding_mask(
+    *,
+    attention_mask: Tensor | None = None,
+    q_length: int | None = None,
+    kv_length: int | None = None,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    **kwargs: Any,
+) -> Tensor | None:
+    """AttentionMaskInterface entry: the (B, KV) padding mask or None for whole rows.
+
+    With a KV cache (queries against more or shifted keys: decoding, a prefill after a cached
+    prefix, a sliding-window cache) it returns transformers' own (B, 1, Q, KV) bool mask (its
+    ``sdpa_mask``, with the layer's causal or sliding-window rule and the cache offsets), which
+    :func:`flexpack_attention_forward` then applies as is: generation matches ``sdpa``.
+    """
+    whole_rows = q_length is None or (q_length == kv_length and not q_offset and not kv_offset)
+    if whole_rows:
+        return attention_mask
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs.pop("allow_is_causal_skip", None)
+    return sdpa_mask(
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=False,  # always a tensor: the forward tells caches by its 4 dims
+        **kwargs,
+    )
 
 
 def packed_forward_kwargs(batch: Any, *, labels: bool = False) -> dict[str, Any]:
@@ -150,24 +189,32 @@ def flexpack_attention_forward(
     Args:
         module: the attention module (its ``is_causal`` is read; default True).
         query: (B, Hq, S, D).
-        key: (B, Hkv, S, D); Hkv may divide Hq (GQA).
-        value: (B, Hkv, S, D).
-        attention_mask: None or a (B, S) padding mask (True = real token), from ``register``'s mask
-            function.
+        key: (B, Hkv, KV, D); Hkv may divide Hq (GQA). KV = S for whole rows (training); with
+            a KV cache (generation) KV >= S and the queries are the last S positions.
+        value: (B, Hkv, KV, D).
+        attention_mask: None, a (B, S) padding mask (True = real token) from ``register``'s mask
+            function, or with a KV cache transformers' own (B, 1, S, KV) mask (applied as is,
+            so decoding matches ``sdpa``).
         scaling: softmax scale; default ``D ** -0.5``.
         dropout: must be 0 (flexpack attention has no dropout).
         **kwargs: the model call's keywords; read: ``doc_ids`` (B, S) int, ``seq_idx`` (B, S) int,
             ``position_ids`` (B or 1, S) int, ``is_causal``, ``sliding_window``, ``softcap``
-            (attention-logit soft-capping, Gemma 2), and ``flexpack_mask``: a prebuilt flexpack
-            Mask or BlockMask used as is by every layer (e.g. ``flexpack.pack_trees(...).mask()
-            .block_mask()``, with the batch's ``position_ids``).
+            (attention-logit soft-capping, Gemma 2), ``flexpack_backend`` (the
+            ``flexpack.attention`` backend, default "auto"), ``flexpack_mask``: a prebuilt
+            flexpack Mask or BlockMask used by every layer (e.g. ``flexpack.pack_trees(...)
+            .mask().block_mask()``, with the batch's ``position_ids``); on a sliding-window
+            layer the window is composed with it (for a tree, in positions along each path),
+            and ``image_span_ids`` (B, S) (Gemma 3 rows of ``pack_multimodal``: one image's
+            tokens attend both ways). Calls from a vision tower (module with a vision config)
+            run as transformers' ``sdpa``.
 
     Returns:
         ``(attn_output, None)``, attn_output (B, S, Hq, D) as transformers expects.
 
     Raises:
-        ValueError: a KV cache (query and key lengths differ), dropout, attention sinks, a 4-D
-            mask, or document ids of the wrong shape.
+        ValueError: ``flexpack_mask`` with a KV cache, a tree ``flexpack_mask`` on a
+            sliding-window layer without ``position_ids``, a foreign BlockMask on a
+            sliding-window layer, dropout, attention sinks, or document ids of the wrong shape.
 
     Example:
         >>> import torch
@@ -180,13 +227,12 @@ def flexpack_attention_forward(
     """
     from flexpack.attention import attention
 
+    if multimodal._vision_call(module, query, kwargs):  # a vision tower's own per-image blocks
+        return multimodal._vision_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+            kwargs=kwargs,
+        )  # fmt: skip
     B, Hq, S, _ = query.shape
-    if key.shape[2] != S:
-        raise ValueError(
-            f"flexpack attention computes whole rows, but got {S} queries against {key.shape[2]} "
-            "keys (a KV cache, i.e. generation). Generate with another implementation: "
-            "model.set_attn_implementation('sdpa')."
-        )
     if dropout and module.training:
         raise ValueError(
             f"flexpack attention has no dropout, got dropout={dropout}; set the config's "
@@ -201,7 +247,33 @@ def flexpack_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
     mask = kwargs.get("flexpack_mask")  # a prebuilt mask (e.g. a TreeBatch's) wins
+    cached = key.shape[2] != S or (isinstance(attention_mask, Tensor) and attention_mask.dim() == 4)
+    if cached:
+        if mask is not None:
+            raise ValueError(
+                f"flexpack_mask describes whole rows, but got {S} queries against "
+                f"{key.shape[2]} keys (a KV cache); drop flexpack_mask (or use_cache=False)."
+            )
+        out = _cache_attention(query, key, value, attention_mask, scaling, bool(is_causal),
+                               window, softcap)  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+    backend = kwargs.get("flexpack_backend", "auto")
+    if mask is not None and window is not None:
+        mask = _windowed(mask, int(window), kwargs.get("position_ids"), query.device)
+        if isinstance(mask, _WindowedTree):
+            out = _windowed_tree_attention(
+                query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq,
+                softcap=softcap, backend=backend,
+            )  # fmt: skip
+            return out.transpose(1, 2).contiguous(), None
+    # Gemma 3 rows of pack_multimodal: the span mask carries the layer's window itself
+    if mask is None and kwargs.get("image_span_ids") is not None:
+        mask = multimodal._image_span_mask(
+            query.device, B, S, attention_mask, kwargs, bool(is_causal)
+        )
     if mask is None:
         mask = _mask_for(
             query.device,
@@ -216,7 +288,7 @@ def flexpack_attention_forward(
         )
     out = attention(
         query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq,
-        softcap=kwargs.get("softcap"),
+        softcap=softcap, backend=backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
 
@@ -262,7 +334,11 @@ def _doc_ids(
     seq_idx: Tensor | None,
     position_ids: Tensor | None,
 ) -> Tensor:
-    """(B, S) int32 document ids, -1 on padding, from the first source that is given."""
+    """(B, S) integer document ids, -1 on padding, from the first source that is given.
+
+    Signed ids keep their dtype (an int64 id of 2**32 stays itself: a cast to int32 would merge it
+    with document 0); unsigned ids become int64 so that -1 fits, and the mask refuses uint64 ids
+    past int64 (``flexpack.masks.document``)."""
     for name, ids in (("doc_ids", doc_ids), ("seq_idx", seq_idx)):
         if ids is not None:
             if not isinstance(ids, Tensor) or tuple(ids.shape) not in ((B, S), (1, S)):
@@ -273,12 +349,21 @@ def _doc_ids(
             break
     else:
         if position_ids is None:
-            ids = torch.zeros(1, S, dtype=torch.int32)  # one sequence per row: plain causal
+            ids = torch.zeros(1, S, dtype=torch.int64)  # one sequence per row: plain causal
         else:
             # transformers' packed-sequence rule: a new sequence wherever positions don't step by 1
             step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
             ids = (step != 1).cumsum(-1)
-    ids = ids.to(torch.int32).expand(B, S)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(
+            f"document ids must be an integer tensor like input_ids, got dtype {ids.dtype}; "
+            "convert with .long()."
+        )
+    if not ids.dtype.is_signed:
+        from flexpack.masks import _as_doc_ids
+
+        ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
+    ids = ids.expand(B, S)
     if padding is not None:
         if padding.dim() != 2:
             raise ValueError(
@@ -304,3 +389,183 @@ def _build_mask(doc_ids: Tensor, is_causal: bool, sliding_window: int | None):
         )
     # transformers' sliding window keeps kv_idx > q_idx - sliding_window, i.e. q - kv <= window - 1
     return mask & masks.causal() & masks.sliding_window(int(sliding_window) - 1)
+
+
+# ----------------------------------------------------------------------------- KV caches
+
+
+def _cache_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None,
+    is_causal: bool,
+    window: int | None,
+    softcap: float | None,
+) -> Tensor:
+    """Attention of Q queries against KV >= Q cached keys (generation), as transformers' sdpa.
+
+    The mask is transformers' own (B, 1, Q, KV) mask from :func:`_pass_padding_mask` when the
+    model built one; otherwise (a direct call) the queries are the last Q positions of the keys:
+    causal with that offset, a 2-D (B, KV) padding mask and the sliding window applied.
+
+    Returns:
+        (B, Hq, Q, D); queries with no allowed key (left padding) give 0.
+    """
+    from flexpack._attention_sdpa import dense_sdpa
+
+    Hq, Q = query.shape[1], query.shape[2]
+    KV = key.shape[2]
+    if isinstance(attention_mask, Tensor) and attention_mask.dim() == 4:
+        allowed = attention_mask
+        if allowed.dtype != torch.bool:  # an additive float mask: 0 where allowed
+            allowed = allowed > torch.finfo(allowed.dtype).min / 2
+        allowed = allowed[..., -KV:]
+    else:
+        q_pos = torch.arange(KV - Q, KV, device=query.device)[:, None]  # (Q, 1)
+        k_pos = torch.arange(KV, device=query.device)[None, :]  # (1, KV)
+        allowed = (k_pos <= q_pos) if is_causal else torch.ones_like(k_pos <= q_pos)
+        if window is not None:  # transformers' rule: kv > q - window
+            allowed = allowed & (q_pos - k_pos < int(window))
+        allowed = allowed[None, None]  # (1, 1, Q, KV)
+        if attention_mask is not None:
+            if attention_mask.dim() != 2 or attention_mask.shape[-1] < KV:
+                raise ValueError(
+                    f"flexpack attention with a KV cache takes a (B, >= {KV}) padding "
+                    f"attention_mask or transformers' 4-D mask, got {tuple(attention_mask.shape)}."
+                )
+            pad = attention_mask[:, -KV:].to(device=query.device, dtype=torch.bool)
+            allowed = allowed & pad[:, None, None, :]
+    return dense_sdpa(
+        query, key, value, allowed.to(query.device), scale=scaling,
+        enable_gqa=key.shape[1] != Hq, softcap=softcap,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------- windows on prebuilt masks
+
+
+class _WindowedTree:
+    """A tree mask and a sliding window counted in positions along each root-to-leaf path.
+
+    transformers' sliding window keeps keys with ``q_idx - kv_idx < window`` on the indices of the
+    sequence run alone; in a tree those indices are the ``position_ids`` (a segment starts where
+    its parent ends), so a token sees the ancestors and own tokens within ``window`` positions.
+    """
+
+    def __init__(self, tree: Any, window: int, position_ids: Tensor) -> None:
+        self.tree, self.window, self.position_ids = tree, window, position_ids
+        self.pieces: Any = None  # per-segment SDPA pieces with the window, built on first use
+        self.block_mask: Any = None  # the flex BlockMask, built on first use
+
+
+_window_cache: dict[str, Any] = {}
+
+
+def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch.device) -> Any:
+    """A prebuilt ``flexpack_mask`` composed with the layer's sliding window."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    from flexpack import masks
+
+    recovered = masks.mask_of(mask) if isinstance(mask, BlockMask) else mask
+    if recovered is None or not hasattr(recovered, "kind"):
+        raise ValueError(
+            f"this layer has a sliding window ({window}) but flexpack_mask is a "
+            f"{type(mask).__name__} that flexpack cannot compose a window with; pass a flexpack "
+            "Mask (e.g. flexpack.pack_trees(...).mask()) or a BlockMask built from one."
+        )
+    if recovered.kind != "tree":
+        # Document masks: positions step by one inside a document, so raw indices serve. Built
+        # once per (mask, window): every sliding layer of the forward shares it.
+        key = ("document", id(recovered), window)
+        hit = _window_cache.get(key)
+        if hit is None or hit[0] is not recovered:
+            if len(_window_cache) > 8:
+                _window_cache.clear()
+            hit = _window_cache[key] = (recovered, recovered & masks.sliding_window(window - 1))
+        return hit[1]
+    if not isinstance(position_ids, Tensor):
+        raise ValueError(
+            f"a tree flexpack_mask on a sliding-window layer (window {window}) needs the rows' "
+            "position_ids (the window counts positions along each path): pass "
+            "position_ids=batch.position_ids to the model call."
+        )
+    key = (id(recovered), window, id(position_ids), position_ids._version, device)
+    hit = _window_cache.get(key)
+    if hit is None or hit.tree is not recovered or hit.position_ids is not position_ids:
+        if len(_window_cache) > 8:  # one forward has a window or two; old masks go
+            _window_cache.clear()
+        hit = _window_cache[key] = _WindowedTree(recovered, window, position_ids)
+    return hit
+
+
+def _windowed_tree_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: _WindowedTree,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None,
+    backend: str,
+) -> Tensor:
+    """Tree & position window: compiled flex on CUDA, one SDPA call per segment elsewhere."""
+    from flexpack import _attention_tree
+    from flexpack.attention import attention
+
+    B, _, S, _ = q.shape
+    pos = mask.position_ids.to(q.device)
+    if q.device.type == "cuda" and backend != "sdpa":
+        if mask.block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            tree_mod = mask.tree.mask_mod
+            rows = pos.expand(B, S).contiguous()
+            limit = torch.tensor(mask.window, device=q.device)
+
+            def tree_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                near = rows[b, q_idx] - rows[b, kv_idx] < limit
+                return tree_mod(b, h, q_idx, kv_idx) & near
+
+            mask.block_mask = create_block_mask(tree_window, B, None, S, S, device=q.device)
+        return attention(
+            q, k, v, mask.block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+            backend="flex",
+        )  # fmt: skip
+    if mask.pieces is None:
+        mask.pieces = _window_pieces(_attention_tree.spans_of(mask.tree), pos, mask.window, B)
+    return _attention_tree.per_tree_sdpa(
+        q, k, v, mask.pieces, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+    )
+
+
+def _window_pieces(pieces: list, position_ids: Tensor, window: int, B: int) -> list:
+    """The per-segment SDPA pieces of a tree with each piece's mask cut to the window."""
+    from flexpack._attention_tree import _Piece
+
+    rows = max(len(pieces), position_ids.shape[0] if position_ids.dim() == 2 else 1)
+    pos = position_ids.reshape(-1, position_ids.shape[-1]).expand(rows, -1)
+    out = []
+    for b in range(rows):
+        row = pieces[b if len(pieces) > 1 else 0]
+        starts = [0]
+        for p in row:
+            starts.append(starts[-1] + p.length)
+        new = []
+        for i, p in enumerate(row):
+            if not p.path:
+                new.append(p)
+                continue
+            keys = torch.cat([torch.arange(starts[j], starts[j] + row[j].length) for j in p.path])
+            keys = keys.to(pos.device)
+            pq = pos[b, starts[i] : starts[i] + p.length][:, None]  # (L_s, 1)
+            pk = pos[b, keys][None, :]  # (1, A_s + L_s)
+            base = p.mask
+            if base is None:  # a root: causal over itself
+                base = torch.ones(p.length, p.length, dtype=torch.bool, device=pos.device).tril()
+            new.append(_Piece(p.length, p.path, base.to(pos.device) & (pq - pk < window)))
+        out.append(new)
+    return out

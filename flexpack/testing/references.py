@@ -37,6 +37,12 @@ def _default_device(mask: object) -> torch.device:
     return torch.device("cpu")
 
 
+def _on_device(mask: object, device: torch.device) -> object:
+    """A flexpack mask with every tensor its mask_mod reads on ``device`` (``Mask.to``)."""
+    to = getattr(mask, "to", None)
+    return mask if to is None else to(device)
+
+
 def _mask_shape_defaults(mask: object) -> tuple[int | None, int | None, int | None, int | None]:
     """(B, H, Q_LEN, KV_LEN) implied by ``mask`` itself; None where it implies nothing."""
     if isinstance(mask, BlockMask):
@@ -70,7 +76,9 @@ def dense_mask(
             callable needs Q_LEN and KV_LEN. A BlockMask with batch or head size 1 broadcasts to a
             larger B or H (its mask_mod then sees the real b and h, as in flex_attention).
         device: where to evaluate; defaults to the mask's device (its doc_ids or block
-            tensors), else CPU.
+            tensors), else CPU. A flexpack Mask (also the one behind a flexpack BlockMask) is
+            evaluated on a copy of it on ``device`` (``mask.to(device)``: every tensor its
+            mask_mod reads moves); a plain callable must read tensors on ``device`` itself.
 
     Returns:
         (B, H, Q_LEN, KV_LEN) bool tensor, True where query q may attend to key kv.
@@ -117,7 +125,7 @@ def dense_mask(
 
     if isinstance(mask, BlockMask):
         return _block_mask_to_dense(mask, B, H, Q_LEN, KV_LEN, device)
-    mask_mod = mask.mask_mod if _is_flexpack_mask(mask) else mask
+    mask_mod = _on_device(mask, device).mask_mod if _is_flexpack_mask(mask) else mask
     out = create_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
     return out.to(torch.bool).expand(B, H, Q_LEN, KV_LEN).contiguous()
 
@@ -226,13 +234,17 @@ def _block_mask_to_dense(
             f"{(mQ, mKV)}; pass the BlockMask's own lengths (or None)."
         )
     states = _expand_dims(block_states(block_mask).to(device), B, H, "the BlockMask")
+    mask_mod = block_mask.mask_mod
+    flexpack_mask = getattr(mask_mod, "_flexpack_mask", None)  # flexpack.masks.mask_of
+    if flexpack_mask is not None:
+        mask_mod = _on_device(flexpack_mask, device).mask_mod
     bq, bkv = block_mask.BLOCK_SIZE
     q_block = torch.arange(Q_LEN, device=device) // bq
     kv_block = torch.arange(KV_LEN, device=device) // bkv
     elem_states = states[:, :, q_block][:, :, :, kv_block]  # (B, H, Q_LEN, KV_LEN)
     out = elem_states == FULL
     if bool((elem_states == PARTIAL).any()):
-        mod = create_mask(block_mask.mask_mod, B, H, Q_LEN, KV_LEN, device=device)
+        mod = create_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=device)
         out |= (elem_states == PARTIAL) & mod.to(torch.bool).expand(B, H, Q_LEN, KV_LEN)
     return out
 

@@ -1,0 +1,273 @@
+"""TRL's GRPO and DPO log-prob forwards: flexpack's tree trainers vs TRL's own, side by side.
+
+Both sides are real TRL trainers on the same tiny random Llama (saved to a temporary directory,
+``attn_implementation="sdpa"`` as a TRL user loads it): ``trl.GRPOTrainer`` / ``trl.DPOTrainer``
+and ``flexpack.integrations.trl.GRPOTrainer`` / ``DPOTrainer`` (one changed import). Generation
+and rewards are not timed (they do not change); the batch is what TRL builds after generation:
+
+* GRPO: ``--prompts`` prompts of 256-1024 tokens (uniform), G = 8 completions of 64-256 each,
+  left-padded prompts and right-padded completions, as ``_generate_and_score_completions`` pads.
+* DPO: ``--pairs`` pairs of a prompt of 256-1024 tokens and two answers of 32-256, right-padded
+  ``[prompt + chosen; prompt + rejected]`` rows with a completion mask, as TRL's collator pads.
+
+Columns: tokens the forward runs (``B * S`` padded rows for TRL, ``R * S`` packed rows for
+flexpack); "logp fwd+bwd": the policy's per-token log-probs and a backward of their sum (GRPO:
+``_get_per_token_logps_and_entropies`` with entropies; DPO: the fused-head forward of
+``_compute_loss``); "step": what a training step runs besides generation (GRPO: reference and
+old-policy log-probs without grad, then the policy's with backward, and the optimizer step; DPO:
+``compute_loss`` with its reference forward, backward, optimizer step); peak memory: the most
+bytes of tensors live at once during one step (torch's CPU profiler memory events; weights and
+optimizer state allocated before the step do not count). Times are medians of ``--repeats``
+interleaved runs.
+
+    python bench/rl.py [--prompts 2] [--pairs 4] [--repeats 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from _machine import describe  # bench/ is on sys.path when run as a script
+
+V = 4096
+
+
+def tokenizer():
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(V - 3)} | {"<pad>": V - 3, "</s>": V - 2, "<unk>": V - 1}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def save_model(path: Path) -> None:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        pad_token_id=V - 3, eos_token_id=V - 2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+
+
+def grpo_batch(prompts: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    P = [int(torch.randint(256, 1025, (1,), generator=g)) for _ in range(prompts)]
+    C = [[int(torch.randint(64, 257, (1,), generator=g)) for _ in range(8)] for _ in P]
+    Pm, Cm = max(P), max(max(c) for c in C)
+    B = 8 * prompts
+    ids = torch.full((B, Pm + Cm), V - 3)
+    mask = torch.zeros(B, Pm + Cm, dtype=torch.long)
+    for i, p in enumerate(P):
+        prompt = torch.randint(0, V - 3, (p,), generator=g)
+        for j, c in enumerate(C[i]):
+            b = 8 * i + j
+            ids[b, Pm - p : Pm] = prompt
+            ids[b, Pm : Pm + c] = torch.randint(0, V - 3, (c,), generator=g)
+            mask[b, Pm - p : Pm + c] = 1
+    return ids, mask, Cm
+
+
+def dpo_batch(pairs: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(pairs):
+        prompt = torch.randint(
+            0, V - 3, (int(torch.randint(256, 1025, (1,), generator=g)),), generator=g
+        )
+        answers = [
+            torch.randint(0, V - 3, (int(torch.randint(32, 257, (1,), generator=g)),), generator=g)
+            for _ in range(2)
+        ]
+        rows.append((prompt, answers))
+    seqs = [(p, a[0]) for p, a in rows] + [(p, a[1]) for p, a in rows]  # chosen rows, then rejected
+    S = max(len(p) + len(a) for p, a in seqs)
+    ids = torch.full((len(seqs), S), V - 3)
+    attention = torch.zeros(len(seqs), S, dtype=torch.long)
+    completion = torch.zeros(len(seqs), S, dtype=torch.long)
+    for b, (p, a) in enumerate(seqs):
+        ids[b, : len(p) + len(a)] = torch.cat([p, a])
+        attention[b, : len(p) + len(a)] = 1
+        completion[b, len(p) : len(p) + len(a)] = 1
+    return {"input_ids": ids, "attention_mask": attention, "completion_mask": completion}
+
+
+def trainers(kind: str, side: str, workdir: Path):
+    import datasets
+    import trl
+
+    from flexpack.integrations import trl as ftrl
+
+    lib = trl if side == "trl" else ftrl
+    model = str(workdir / "model")
+    if kind == "grpo":
+        args = trl.GRPOConfig(
+            output_dir=str(workdir / side), per_device_train_batch_size=16, num_generations=8,
+            use_cpu=True, bf16=False, report_to=[], beta=0.04, gradient_checkpointing=False,
+            model_init_kwargs={"dtype": torch.float32},
+        )  # fmt: skip
+        data = datasets.Dataset.from_dict({"prompt": ["t1 t2"] * 16})
+        return lib.GRPOTrainer(
+            model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=args, train_dataset=data, processing_class=tokenizer(),
+        )  # fmt: skip
+    import transformers
+
+    args = trl.DPOConfig(
+        output_dir=str(workdir / side), use_cpu=True, bf16=False, report_to=[],
+        gradient_checkpointing=False,
+    )  # fmt: skip
+    data = datasets.Dataset.from_dict({"prompt": ["t1"], "chosen": ["t2"], "rejected": ["t3"]})
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    return lib.DPOTrainer(
+        model=load(model, dtype=torch.float32), ref_model=load(model, dtype=torch.float32),
+        args=args, train_dataset=data, processing_class=tokenizer(),
+    )  # fmt: skip
+
+
+def logp_fwd_bwd(trainer, kind, batch) -> None:
+    model = trainer.model
+    if kind == "grpo":
+        ids, mask, C = batch
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, C, compute_entropy=True
+        )
+        (lp.sum() + 0.0 * ent.sum()).backward()
+        return
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+    caller = model
+    if hasattr(trainer, "flexpack_stats"):
+        from flexpack.integrations.trl import _TreeCaller
+
+        caller = _TreeCaller(trainer, model, extras=True)
+    caller(**kw, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum().backward()
+
+
+def step(trainer, kind, batch, optimizer) -> None:
+    model = trainer.model
+    if kind == "grpo":
+        ids, mask, C = batch
+        with torch.no_grad():
+            trainer._get_per_token_logps_and_entropies(model, ids, mask, C)  # old policy
+            trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C)
+        logp_fwd_bwd(trainer, kind, batch)
+    else:
+        trainer.compute_loss(model, dict(batch)).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def tokens(trainer, kind, batch) -> int:
+    """Tokens one policy forward runs on this batch."""
+    if not hasattr(trainer, "flexpack_stats"):
+        ids = batch[0] if kind == "grpo" else batch["input_ids"]
+        return ids.numel()
+    before = trainer.flexpack_stats.tree_tokens
+    with torch.no_grad():
+        if kind == "grpo":
+            ids, mask, C = batch
+            trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        else:
+            from flexpack.integrations.trl import _TreeCaller
+
+            labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+            _TreeCaller(trainer, trainer.model, extras=False)(
+                input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                labels=labels, fused_lm_head=True,
+            )  # fmt: skip
+    return trainer.flexpack_stats.tree_tokens - before
+
+
+def batch_for(kind, args):
+    return grpo_batch(args.prompts) if kind == "grpo" else dpo_batch(args.pairs)
+
+
+def peak_mib(fn) -> float:
+    """Peak bytes of tensors allocated while ``fn`` runs (the CPU profiler's memory events)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=2, help="GRPO prompts (x 8 completions)")
+    parser.add_argument("--pairs", type=int, default=4, help="DPO pairs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(args.threads)
+    machine = describe()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        save_model(workdir / "model")
+        rows = []
+        for kind in ("grpo", "dpo"):
+            batch = batch_for(kind, args)
+            sides = {side: trainers(kind, side, workdir) for side in ("trl", "flexpack")}
+            opts = {s: torch.optim.AdamW(t.model.parameters(), lr=1e-6) for s, t in sides.items()}
+            times = {(s, w): [] for s in sides for w in ("logp", "step")}
+            for t in sides.values():  # warm-up
+                logp_fwd_bwd(t, kind, batch)
+                t.model.zero_grad()
+            for _ in range(args.repeats):
+                for s, t in sides.items():
+                    t0 = time.perf_counter()
+                    logp_fwd_bwd(t, kind, batch)
+                    times[(s, "logp")].append(time.perf_counter() - t0)
+                    t.model.zero_grad()
+                    t0 = time.perf_counter()
+                    step(t, kind, batch, opts[s])
+                    times[(s, "step")].append(time.perf_counter() - t0)
+            result = {}
+            for s, t in sides.items():
+                result[s] = {
+                    "tokens": tokens(t, kind, batch),
+                    "logp": statistics.median(times[(s, "logp")]),
+                    "step": statistics.median(times[(s, "step")]),
+                    "peak": peak_mib(functools.partial(step, t, kind, batch, opts[s])),
+                }
+            rows.append((kind, result))
+    print(f"machine: {machine}; torch {torch.__version__}, {args.threads} threads")
+    print(f"GRPO: {args.prompts} prompts x G=8; DPO: {args.pairs} pairs; median of {args.repeats}")
+    print("| setting | path | tokens forwarded | logp fwd+bwd (s) | step (s) | step peak (MiB) |")
+    print("|---|---|---:|---:|---:|---:|")
+    for kind, result in rows:
+        a, b = result["trl"], result["flexpack"]
+        name = "GRPO" if kind == "grpo" else "DPO"
+        for side, r in (("TRL's own", a), ("flexpack trees", b)):
+            print(
+                f"| {name} | {side} | {r['tokens']:,} | {r['logp']:.3f} | {r['step']:.3f} | "
+                f"{r['peak']:.0f} |"
+            )
+        print(
+            f"| {name} | **ratio TRL / flexpack** | **{a['tokens'] / b['tokens']:.2f}x** | "
+            f"**{a['logp'] / b['logp']:.2f}x** | **{a['step'] / b['step']:.2f}x** | "
+            f"{a['peak'] / max(b['peak'], 1):.2f}x |"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,554 @@
+"""TRL: GRPO, RLOO and DPO trainers that forward each shared prompt once, as a prefix tree.
+
+``GRPOTrainer``, ``RLOOTrainer`` and ``DPOTrainer`` here are TRL's own trainers (subclasses: the
+same constructor, config and behaviour) with one change: where TRL computes per-token log-probs
+of completions (for the policy, the reference model and the old policy), the rows that share a
+prompt are packed as one tree (:func:`flexpack.trees.pack_padded`: the prompt once, then every
+completion), the model runs once over the trees through flexpack attention, and the log-probs
+come from the hidden states in bounded chunks (:func:`flexpack.trees.rollout_logps`). TRL gets
+back its own tensors, in its own order: GRPO's ``(B, logits_to_keep)`` log-probs and entropies,
+DPO's per-token log-probs behind its chosen / rejected sums.
+
+    >>> from flexpack.integrations.trl import GRPOTrainer  # was: from trl import GRPOTrainer
+
+The model may come with any ``attn_implementation``: each tree forward switches it to flexpack's
+on that model instance and back (``model.set_attn_implementation``), so generation and the
+rest of training keep the user's. Rows TRL pads some other way (multimodal inputs, MoE
+auxiliary losses, completion masks with holes, DDP / FSDP1 wrappers, DPO's WPO weighting) take
+TRL's own path, with a warning once. trl and transformers are imported lazily (extra ``trl``).
+
+Shape legend: B rows of TRL's batch, P prompt tokens, C completion tokens (``logits_to_keep``),
+S = P + C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexpack.trees import PaddedTrees, RolloutLogps, pack_padded, rollout_logps
+
+# The trainers subclass trl's, so they are made when first looked up (module __getattr__).
+__all__ = ["DPOTrainer", "GRPOTrainer", "RLOOTrainer", "TreeStats", "tree_logps"]  # noqa: F822
+
+
+def _import_trl():
+    try:
+        import trl
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "flexpack.integrations.trl needs trl; install it with `pip install 'flexpack[trl]'` "
+            "(or `pip install trl`)."
+        ) from e
+    import trl.trainer.utils as utils
+
+    if not hasattr(utils, "add_fused_lm_head"):
+        raise ImportError(
+            f"flexpack.integrations.trl adapts the log-prob seams of TRL >= 1.16 (its fused LM "
+            f"head), got trl {trl.__version__}; upgrade with `pip install -U trl`."
+        )
+    return trl
+
+
+# ----------------------------------------------------------------------------- the tree forward
+
+
+@contextlib.contextmanager
+def _attn_implementation(model: Any, name: str) -> Iterator[None]:
+    """``model`` runs attention through ``name`` inside the block, and as before after it."""
+    before = model.config._attn_implementation
+    if before == name:
+        yield
+        return
+    model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(before)
+
+
+def _check_switchable(model: Any, what: str) -> None:
+    """Refuse, at construction, a model whose attention cannot be switched to flexpack's."""
+    from flexpack.integrations.transformers import register
+
+    name = register()
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "base_model"):
+        raise TypeError(
+            f"flexpack's TRL trainers need a transformers PreTrainedModel as {what}, got "
+            f"{type(model).__name__}; use trl's own trainer for other models."
+        )
+    target = _inner(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with _attn_implementation(target, name):
+            switched = target.config._attn_implementation == name
+    if not switched:
+        raise ValueError(
+            f"{what} ({type(target).__name__}) cannot switch its attention implementation to "
+            f"flexpack's at run time (transformers' set_attn_implementation refused); build it "
+            f"with attn_implementation=flexpack.integrations.transformers.register(), or use "
+            f"trl's own trainer."
+        )
+
+
+def _inner(model: Any) -> Any:
+    """The transformers model inside a PEFT model (its adapters stay active), or the model."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _logit_transform(model: Any) -> tuple[float, float | None]:
+    """(logit_scale, final_logit_softcapping) as TRL's fused LM head reads them from the config."""
+    config = model.config.get_text_config()
+    softcap = getattr(config, "final_logit_softcapping", None)
+    scale = getattr(config, "logit_scale", None)
+    if scale is None:
+        scale = getattr(config, "output_multiplier", None)
+    if scale is None:
+        scale = getattr(config, "lm_head_multiplier", None)
+    if scale is None and getattr(config, "logits_scaling", None) is not None:
+        s = config.logits_scaling
+        scale = s if config.model_type == "hyperclovax" else 1 / s
+    return (1.0 if scale is None else float(scale)), softcap
+
+
+def _wrapped_by(model: Any) -> str | None:
+    """The name of a wrapper whose forward must run for gradients to be right, else None."""
+    for cls in type(model).__mro__:
+        if cls.__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
+            return cls.__name__
+    return None
+
+
+def tree_logps(
+    model: Any,
+    trees: PaddedTrees,
+    *,
+    temperature: float = 1.0,
+    entropy: bool = False,
+    mean_logits: bool = False,
+    is_top1: bool = False,
+    cast_lm_head_to_fp32: bool = False,
+    chunk_size: int = 1024,
+    backend: str = "auto",
+) -> RolloutLogps:
+    """One forward of a transformers causal LM over packed trees; per-rollout log-probs.
+
+    The model's backbone (``model.base_model``) runs on ``trees.batch`` with its tree mask
+    through flexpack attention (switched on this instance for the call, whatever the model's
+    ``attn_implementation``), then :func:`flexpack.trees.rollout_logps` applies the LM head in
+    chunks, with the logit transform of TRL's fused LM head (config ``logit_scale`` /
+    ``final_logit_softcapping``, then ``temperature``).
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (a PEFT model is unwrapped with
+            ``get_base_model``; its adapters stay active).
+        trees: from :func:`flexpack.trees.pack_padded`, on the model's device.
+        temperature, entropy, mean_logits, is_top1, chunk_size: as in ``rollout_logps``.
+        cast_lm_head_to_fp32: run the LM head in float32 outside autocast (TRL's option).
+        backend: the ``flexpack.attention`` backend of the tree forward ("auto": compiled flex
+            on CUDA, one SDPA call per segment elsewhere; "sdpa": per segment everywhere).
+
+    Returns:
+        :class:`flexpack.trees.RolloutLogps`; ``trees.scatter`` puts its fields in (B, C).
+
+    Example:
+        >>> import torch, transformers
+        >>> from flexpack.trees import pack_padded
+        >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=32,
+        ...     hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+        >>> prompts, completions = torch.tensor([[0, 5, 6]] * 2), torch.tensor([[7, 8], [9, 0]])
+        >>> trees = pack_padded(prompts, prompts != 0, completions, completions != 0)
+        >>> trees.scatter(tree_logps(model, trees).logps).shape  # (B, C), TRL's layout
+        torch.Size([2, 2])
+    """
+    from flexpack.integrations.transformers import register
+
+    name = register()
+    inner = _inner(model)
+    checkpointing = (
+        "is_activation_checkpointing"  # transformers >= 5.x; the older name warns there
+        if hasattr(type(inner), "is_activation_checkpointing")
+        else "is_gradient_checkpointing"
+    )
+    if (
+        inner.config._attn_implementation != name
+        and torch.is_grad_enabled()
+        and getattr(inner, checkpointing, False)
+    ):
+        raise ValueError(
+            "tree_logps with grad on a gradient-checkpointed model whose attn_implementation is "
+            f"{inner.config._attn_implementation!r}: backward recomputes the layers with the "
+            "implementation current then. Switch it for the whole step "
+            "(model.set_attn_implementation(flexpack.integrations.transformers.register())), "
+            "as the trainers' train() does."
+        )
+    batch = trees.batch
+    device = inner.get_output_embeddings().weight.device
+    if batch.input_ids.device != device:
+        batch = batch.to(device)
+    # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
+    # flex path, padded to a bucket length, so batches of new lengths do not recompile.
+    mask = batch.mask()
+    with _attn_implementation(inner, name):
+        out = inner.base_model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            flexpack_mask=mask,
+            flexpack_backend=backend,
+            use_cache=False,
+        )
+    hidden = out.last_hidden_state  # (R, S, H)
+    head = inner.get_output_embeddings()
+    logit_scale, softcap = _logit_transform(inner)
+    ctx: Any = contextlib.nullcontext()
+    if cast_lm_head_to_fp32:
+        hidden = hidden.float()
+        ctx = torch.autocast(device.type, enabled=False)
+    with ctx:
+        return rollout_logps(
+            batch, hidden, head.weight, head.bias, temperature=temperature,
+            logit_scale=logit_scale, softcap=softcap, entropy=entropy,
+            mean_logits=mean_logits, is_top1=is_top1, chunk_size=chunk_size,
+        )  # fmt: skip
+
+
+@dataclass
+class TreeStats:
+    """Tokens the trainer's log-prob forwards ran, as trees and as TRL's padded rows would.
+
+    Attributes:
+        calls: tree forwards run. fallbacks: calls that took TRL's own path.
+        tree_tokens: real tokens forwarded (each shared prompt once), padded rows included as
+            the packed rows' size (``R * S``).
+        padded_tokens: what TRL's own forwards would have run (``B * S`` of its batches).
+    """
+
+    calls: int = 0
+    fallbacks: int = 0
+    tree_tokens: int = 0
+    padded_tokens: int = 0
+
+
+class _TreeMixin:
+    """What the three trainers share: the construction check, the fallback warning, the stats."""
+
+    #: ``flexpack.attention`` backend of the tree forwards (see :func:`tree_logps`).
+    flexpack_backend: str = "auto"
+
+    def _flexpack_init(self) -> None:
+        _check_switchable(self.model, "the model")
+        ref = getattr(self, "ref_model", None)
+        if ref is not None:
+            _check_switchable(ref, "the reference model")
+        self.flexpack_stats = TreeStats()
+        self._flexpack_warned: set[str] = set()
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """TRL's ``train``, with the policy's attention on flexpack's for its duration.
+
+        Gradient checkpointing (TRL's default) recomputes each layer in backward with the
+        attention implementation current then, so the switch spans the whole of training, not
+        one forward; it is undone when ``train`` returns. Generation in between runs through
+        flexpack's KV-cache path, which gives ``sdpa``'s tokens (``tests/test_hf_generate.py``).
+        """
+        from flexpack.integrations.transformers import register
+
+        with _attn_implementation(_inner(self.model), register()):
+            return super().train(*args, **kwargs)
+
+    def _flexpack_fallback(self, why: str) -> None:
+        self.flexpack_stats.fallbacks += 1
+        if why not in self._flexpack_warned:
+            self._flexpack_warned.add(why)
+            warnings.warn(
+                f"flexpack: {why}; these log-probs run through TRL's own padded forward "
+                "(exact, without prompt sharing).",
+                stacklevel=3,
+            )
+
+    def _flexpack_count(self, trees: PaddedTrees, padded: tuple[int, int]) -> None:
+        R, S = trees.batch.shape
+        self.flexpack_stats.calls += 1
+        self.flexpack_stats.tree_tokens += R * S
+        self.flexpack_stats.padded_tokens += padded[0] * padded[1]
+
+
+# ----------------------------------------------------------------------------- GRPO and RLOO
+
+_MULTIMODAL = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
+
+
+def _per_token_logps_and_entropies(
+    self,
+    model,
+    input_ids,
+    attention_mask,
+    logits_to_keep,
+    batch_size=None,
+    compute_entropy=False,
+    compute_aux_loss=False,
+    **multimodal,
+):
+    """TRL's ``_get_per_token_logps_and_entropies`` on prefix trees: the same (B, C) tensors.
+
+    ``input_ids`` (B, P + C) are TRL's left-padded prompts then right-padded completions,
+    ``attention_mask`` (B, P + C) their mask and C = ``logits_to_keep``. Returns (logps (B, C)
+    float32, entropies (B, C) or None, None), 0 where the completion is padding, as TRL's.
+    """
+    fallback = functools.partial(
+        self._trl_per_token_logps,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=batch_size,
+        compute_entropy=compute_entropy,
+        compute_aux_loss=compute_aux_loss,
+        **multimodal,
+    )
+    if compute_aux_loss:
+        self._flexpack_fallback("the model returns an MoE auxiliary loss")
+        return fallback()
+    if any(v is not None for v in multimodal.values()):
+        self._flexpack_fallback("multimodal inputs (images) are not packed as trees")
+        return fallback()
+    wrapper = _wrapped_by(model)
+    if wrapper is not None:
+        self._flexpack_fallback(f"the model is wrapped in {wrapper}, whose forward must run")
+        return fallback()
+    C = int(logits_to_keep)
+    try:
+        trees = pack_padded(
+            input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:]
+        )
+    except ValueError as e:
+        self._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
+        return fallback()
+    self._flexpack_count(trees, tuple(input_ids.shape))
+    with self.accelerator.autocast():
+        r = tree_logps(
+            self.accelerator.unwrap_model(model),
+            trees,
+            temperature=self.temperature,
+            entropy=compute_entropy,
+            cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+            backend=self.flexpack_backend,
+        )
+    logps = trees.scatter(r.logps)
+    entropies = trees.scatter(r.entropies) if compute_entropy else None
+    return logps, entropies, None
+
+
+def _grpo_like(base: type, name: str, doc: str) -> type:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        self._flexpack_init()
+
+    def _trl_per_token_logps(self, *args: Any, **kwargs: Any):
+        return base._get_per_token_logps_and_entropies(self, *args, **kwargs)
+
+    cls = type(
+        name,
+        (_TreeMixin, base),
+        {
+            "__init__": __init__,
+            "__doc__": doc,
+            "__module__": __name__,
+            "_trl_per_token_logps": _trl_per_token_logps,
+            "_get_per_token_logps_and_entropies": _per_token_logps_and_entropies,
+        },
+    )
+    functools.update_wrapper(__init__, base.__init__, updated=())
+    return cls
+
+
+_GRPO_DOC = """TRL's ``{base}`` with log-probs computed on prefix trees (shared prompts once).
+
+Same constructor and ``{base}Config`` as ``trl.{base}``; see the module docstring. Training is
+TRL's own (losses, advantages, generation, logging); only the log-prob forwards differ, and
+they return the same tensors. ``trainer.flexpack_stats`` counts the tokens forwarded.
+"""
+
+
+# ----------------------------------------------------------------------------- DPO
+
+
+@dataclass
+class _FusedOutput:
+    """The fields of TRL's ``FusedCausalLMOutput`` that DPO reads, in its (2B, S - 1) layout."""
+
+    log_probs: Tensor
+    entropy: Tensor | None = None
+    mean_logits: Tensor | None = None
+    is_top1: Tensor | None = None
+    log_sum_sq_probs: Tensor | None = None
+    aux_loss: Tensor | None = None
+    loss: Tensor | None = None
+
+
+class _TreeCaller:
+    """Stands for the model in DPO's forward: ``model(input_ids=..., labels=..., fused_lm_head=
+    True)`` answered from one tree forward, in TRL's layout (position t - 1 scores token t)."""
+
+    def __init__(self, trainer: Any, model: Any, *, extras: bool) -> None:
+        self.trainer, self.model, self.extras = trainer, model, extras
+
+    def __getattr__(self, name: str) -> Any:  # anything else (training, config, ...) as is
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        known = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"}
+        others = [k for k, v in kwargs.items() if k not in known and v is not None]
+        if args or not kwargs.get("fused_lm_head") or others:
+            self.trainer._flexpack_fallback(f"DPO passed inputs flexpack does not pack ({others})")
+            return self.model(*args, **kwargs)
+        input_ids, attention_mask, labels = (
+            kwargs[k] for k in ("input_ids", "attention_mask", "labels")
+        )
+        try:
+            trees, starts = _dpo_trees(input_ids, attention_mask, labels)
+        except ValueError as e:
+            self.trainer._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
+            return self.model(*args, **kwargs)
+        self.trainer._flexpack_count(trees, tuple(input_ids.shape))
+        r = tree_logps(
+            self.trainer.accelerator.unwrap_model(self.model), trees, entropy=self.extras,
+            mean_logits=self.extras, is_top1=self.extras, backend=self.trainer.flexpack_backend,
+        )  # fmt: skip
+        B, S = input_ids.shape
+        C = trees.completion_mask.shape[1]
+        # Completion token j of row b sits at column starts[b] + j; TRL scores it at column - 1.
+        cols = (starts[:, None] + torch.arange(C, device=starts.device) - 1).clamp(0, S - 2)
+
+        def place(values: Tensor | None) -> Tensor | None:
+            if values is None:
+                return None
+            v = trees.scatter(values)  # (B, C), 0 on padding
+            out = v.new_zeros(B, S - 1)
+            return out.scatter_add(1, cols.to(v.device), v)
+
+        top1 = place(r.is_top1.float()) if r.is_top1 is not None else None
+        return _FusedOutput(
+            log_probs=place(r.logps),
+            entropy=place(r.entropies),
+            mean_logits=place(r.mean_logits),
+            is_top1=None if top1 is None else top1.bool(),
+        )
+
+
+def _dpo_trees(input_ids: Tensor, attention_mask: Tensor, labels: Tensor):
+    """DPO's right-padded rows (prompt + answer) as (prompt, answer) trees.
+
+    Returns ``(trees, starts)``: ``starts`` (B,) the column of each row's first answer token.
+    """
+    B, S = input_ids.shape
+    real = attention_mask.bool()
+    target = (labels != -100) & real
+    n_real = real.sum(1)
+    has = target.any(1)
+    first = torch.where(has, target.float().argmax(1), n_real)  # first answer token
+    cols = torch.arange(S, device=input_ids.device)
+    want_real = cols[None, :] < n_real[:, None]
+    want_target = (cols[None, :] >= first[:, None]) & want_real
+    if not bool((real == want_real).all()) or not bool((target == want_target).all()):
+        raise ValueError("rows must be right-padded prompt + answer with the answer at the end")
+    plen, clen = first, n_real - first
+    P, C = int(plen.max()), max(int(clen.max()), 1)
+    prompt_ids = input_ids.new_zeros(B, P)
+    prompt_mask = torch.zeros(B, P, dtype=torch.bool, device=input_ids.device)
+    completion_ids = input_ids.new_zeros(B, C)
+    completion_mask = torch.zeros(B, C, dtype=torch.bool, device=input_ids.device)
+    for b, (p, c) in enumerate(zip(plen.tolist(), clen.tolist(), strict=True)):
+        prompt_ids[b, P - p :] = input_ids[b, :p]
+        prompt_mask[b, P - p :] = True
+        completion_ids[b, :c] = input_ids[b, p : p + c]
+        completion_mask[b, :c] = True
+    trees = pack_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    return trees, first
+
+
+def _dpo_class() -> type:
+    base = _import_trl().DPOTrainer
+
+    class DPOTrainer(_TreeMixin, base):
+        """TRL's ``DPOTrainer`` with chosen and rejected answers forwarded as one tree per prompt.
+
+        Same constructor and ``DPOConfig`` as ``trl.DPOTrainer``; the policy's and the
+        reference model's forwards run the prompt once for both answers and give TRL the same
+        per-token log-probs (so the same chosen / rejected sums, losses and metrics).
+        ``trainer.flexpack_stats`` counts the tokens forwarded.
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            base.__init__(self, *args, **kwargs)
+            self._flexpack_init()
+
+        def _trees_apply(self, model: Any) -> bool:
+            if self.use_weighting:
+                self._flexpack_fallback("WPO weighting (use_weighting) needs log_sum_sq_probs")
+                return False
+            wrapper = _wrapped_by(model)
+            if wrapper is not None:
+                self._flexpack_fallback(
+                    f"the model is wrapped in {wrapper}, whose forward must run"
+                )
+                return False
+            return True
+
+        def _compute_loss(self, model, inputs, return_outputs):
+            if not self._trees_apply(model):
+                return base._compute_loss(self, model, inputs, return_outputs)
+            ref = self.ref_model
+            self.ref_model = None if ref is None else _TreeCaller(self, ref, extras=False)
+            try:
+                caller = _TreeCaller(self, model, extras=True)
+                return base._compute_loss(self, caller, inputs, return_outputs)
+            finally:
+                self.ref_model = ref
+
+        def compute_ref_log_probs(self, model, inputs):
+            if not self._trees_apply(model):
+                return base.compute_ref_log_probs(self, model, inputs)
+            return base.compute_ref_log_probs(self, _TreeCaller(self, model, extras=False), inputs)
+
+    DPOTrainer.__module__ = __name__
+    return DPOTrainer
+
+
+@functools.cache
+def _classes() -> dict[str, type]:
+    trl = _import_trl()
+    return {
+        "GRPOTrainer": _grpo_like(
+            trl.GRPOTrainer, "GRPOTrainer", _GRPO_DOC.format(base="GRPOTrainer")
+        ),
+        "RLOOTrainer": _grpo_like(
+            trl.RLOOTrainer, "RLOOTrainer", _GRPO_DOC.format(base="RLOOTrainer")
+        ),
+        "DPOTrainer": _dpo_class(),
+    }
+
+
+def __getattr__(name: str) -> type:
+    # The trainer classes subclass trl's, so they exist once trl is imported: on first access.
+    if name in ("GRPOTrainer", "RLOOTrainer", "DPOTrainer"):
+        return _classes()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

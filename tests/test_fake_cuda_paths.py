@@ -1,0 +1,499 @@
+"""Every CUDA-bound path of flexpack, run on the faked CUDA device (tests/fake_cuda.py).
+
+The kernels that exist on CUDA only (inductor's flex kernels, FlashAttention's varlen) are
+replaced by recorders: each checks what reaches it (devices, dtypes, contiguity, int32
+``cu_seqlens``, Python-int ``max_seqlen``, 128-multiple block sizes, head dim >= 16 for flex,
+D % 8 for varlen) and computes the float64 reference on the fake tensors, so results are compared
+with CPU references and autograd runs. Host syncs are counted per call: none per layer, at most
+one per forward (none with a ``PackedLayout``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from fake_cuda import FakeCudaTensor, is_fake_cuda, to_cpu
+
+import flexpack
+from flexpack import _attention_flex, masks
+from flexpack.masks import mask_of
+from flexpack.testing import references
+
+# ----------------------------------------------------------------------------- recorders
+
+
+@dataclass
+class Call:
+    kernel: str
+    syncs_before: int  # fake_cuda.syncs count when the kernel was called
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Recorder:
+    """The CUDA-only kernels, replaced: checks on every call, reference math on fake tensors."""
+
+    gpu: object
+    calls: list[Call] = field(default_factory=list)
+
+    def kernels(self, kind: str) -> list[Call]:
+        return [c for c in self.calls if c.kernel == kind]
+
+    # -- flex ------------------------------------------------------------------------------
+
+    def flex(self, config):
+        def compiled(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
+            info = {"config": config, "S": q.shape[2]}
+            self.calls.append(Call("flex", len(self.gpu.syncs), info))
+            for name, x in (("q", q), ("k", k), ("v", v)):
+                assert is_fake_cuda(x), f"flex got {name} on {x.device} ({type(x).__name__})"
+                assert x.dtype in (torch.float16, torch.bfloat16, torch.float32), x.dtype
+                assert x.dtype == q.dtype
+            assert q.shape[-1] >= 16, f"flex on CUDA needs head dim >= 16, got {q.shape[-1]}"
+            assert q.shape[-1] <= 256, q.shape
+            bq, bkv = block_mask.BLOCK_SIZE
+            assert bq % 128 == 0 and bkv % 128 == 0, block_mask.BLOCK_SIZE
+            assert block_mask.seq_lengths == (q.shape[2], k.shape[2])
+            for t in block_mask.as_tuple()[2:-1]:
+                if isinstance(t, torch.Tensor):
+                    assert is_fake_cuda(t) and t.dtype == torch.int32, (t.device, t.dtype)
+            behind = mask_of(block_mask)
+            if behind is not None:
+                for t in behind._tensors():
+                    assert is_fake_cuda(t), f"the mask_mod reads a tensor on {t.device}"
+            for cell in getattr(score_mod, "__closure__", None) or ():
+                if isinstance(cell.cell_contents, torch.Tensor):
+                    assert is_fake_cuda(cell.cell_contents), "score_mod reads a CPU tensor"
+            with self.gpu.paused():
+                dense = references.dense_mask(block_mask, q.shape[0], q.shape[1])
+                return _reference(q, k, v, dense, scale, enable_gqa, score_mod)
+
+        return compiled
+
+    # -- varlen ----------------------------------------------------------------------------
+
+    def varlen_attn(self, q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, **kw):
+        window = kw.get("window_size", (-1, -1))
+        self.calls.append(Call("varlen", len(self.gpu.syncs), {"window": window}))
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            assert is_fake_cuda(x), f"varlen got {name} on {x.device}"
+            assert x.dim() == 3 and x.stride(-1) == 1, (name, x.shape, x.stride())
+            assert x.dtype in (torch.float16, torch.bfloat16), x.dtype
+            assert x.shape[-1] % 8 == 0 and x.shape[-1] <= 256, x.shape
+        for name, cu in (("cu_seq_q", cu_q), ("cu_seq_k", cu_k)):
+            assert is_fake_cuda(cu) and cu.dtype == torch.int32 and cu.dim() == 1, (name, cu)
+        for name, m in (("max_q", max_q), ("max_k", max_k)):
+            assert type(m) is int, f"{name} must be a Python int, got {type(m).__name__}"
+        assert window in ((-1, -1), (-1, 0)), window
+        gqa = kw.get("enable_gqa", False) or k.shape[1] != q.shape[1]
+        with self.gpu.paused():
+            bounds = cu_q.tolist()
+            assert (
+                bounds[-1] == q.shape[0]
+                and max(b - a for a, b in itertools.pairwise(bounds)) == max_q
+            )
+            out = torch.zeros_like(q)
+            pieces = []
+            for a, b in itertools.pairwise(bounds):
+                x = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, L, D)
+                mask = None
+                if window == (-1, 0):
+                    mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+                o = _reference(*x, mask, scale, gqa, None)
+                pieces.append(o[0].transpose(0, 1))
+            out = torch.cat(pieces) if pieces else out
+        return out
+
+
+def _reference(q, k, v, dense, scale, enable_gqa, score_mod):
+    """Masked softmax attention computed in float64 on q's (fake) device, differentiable."""
+    Hq, Hkv = q.shape[1], k.shape[1]
+    if Hkv != Hq:
+        assert enable_gqa
+        k = k.repeat_interleave(Hq // Hkv, dim=1)
+        v = v.repeat_interleave(Hq // Hkv, dim=1)
+    qd, kd, vd = (x.to(torch.float64) for x in (q, k, v))
+    s = qd @ kd.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if score_mod is not None:
+        s = score_mod(s, None, None, None, None)
+    if dense is not None:
+        s = s.masked_fill(~dense, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return (p @ vd).to(q.dtype)
+
+
+@pytest.fixture
+def kernels(fake_cuda, monkeypatch):
+    """The recorders in place of compiled flex and varlen_attn (fresh compile caches)."""
+    import torch.nn.attention.varlen as varlen_module
+
+    rec = Recorder(fake_cuda)
+    _attention_flex.compiled_flex_attention.cache_clear()
+    monkeypatch.setattr(_attention_flex, "compiled_flex_attention", rec.flex)
+    monkeypatch.setattr(varlen_module, "varlen_attn", rec.varlen_attn)
+    return rec
+
+
+# ----------------------------------------------------------------------------- masks
+
+
+def _layouts():
+    torch.manual_seed(0)
+    S = 200
+    sorted_ids = torch.tensor([[0] * 70 + [1] * 90 + [2] * 30 + [-1] * 10])
+    unsorted = torch.tensor([[0] * 40 + [1] * 60 + [0] * 50 + [-1] * 20 + [2] * 30])
+    seg = torch.tensor([[0] * 60 + [1] * 50 + [2] * 40 + [3] * 30 + [-1] * 20])
+    parents = torch.tensor([[-1, 0, 1, 0]])
+    prefix = torch.tensor([[20, 30, 10]])
+    assert sorted_ids.shape[1] == unsorted.shape[1] == seg.shape[1] == S
+    return sorted_ids, unsorted, seg, parents, prefix
+
+
+MASKS = {
+    "document": lambda d, u, s, p, pl: masks.document(d),
+    "document_causal": lambda d, u, s, p, pl: masks.document(d) & masks.causal(),
+    "document unsorted": lambda d, u, s, p, pl: masks.document(u),
+    "document_causal unsorted": lambda d, u, s, p, pl: masks.document(u) & masks.causal(),
+    "causal": lambda d, u, s, p, pl: masks.causal(),
+    "padding": lambda d, u, s, p, pl: masks.padding(d),
+    "prefix_lm": lambda d, u, s, p, pl: masks.prefix_lm(d, pl),
+    "sliding window": lambda d, u, s, p, pl: (
+        masks.document(d) & masks.causal() & masks.sliding_window(17)
+    ),
+    "or": lambda d, u, s, p, pl: (masks.document(d) & masks.causal()) | masks.prefix_lm(d, pl),
+    "not": lambda d, u, s, p, pl: ~masks.padding(d) & masks.document(d),
+    "tree": lambda d, u, s, p, pl: masks.tree(s, p),
+    "tree & window": lambda d, u, s, p, pl: masks.tree(s, p) & masks.sliding_window(9),
+}
+
+
+def _on(fake_cuda, name):
+    cpu = MASKS[name](*_layouts())
+    gpu = MASKS[name](*(fake_cuda.to(t) for t in _layouts()))
+    return cpu, gpu
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_block_masks_build_on_the_device_of_their_ids(fake_cuda, name):
+    cpu, gpu = _on(fake_cuda, name)
+    kw = {"Q_LEN": 200, "KV_LEN": 200} if gpu.doc_ids is None else {}
+    with fake_cuda.count() as syncs:
+        bm = gpu.block_mask(device="cuda", **kw) if gpu.doc_ids is None else gpu.block_mask()
+    if "unsorted" not in name:  # at most one per forward: the mask is built once
+        assert len(syncs) <= 1, syncs
+    # Unsorted (repeated) ids take the generic classification, whose sizes depend on the data:
+    # a handful of syncs, once per forward. The packer never emits such ids.
+    want = cpu.block_mask(**kw)
+    for got, ref in zip(bm.as_tuple()[2:-1], want.as_tuple()[2:-1], strict=True):
+        if isinstance(ref, torch.Tensor):
+            assert is_fake_cuda(got) and torch.equal(to_cpu(got), ref)
+    assert all(is_fake_cuda(t) for t in mask_of(bm)._tensors())
+    # The dense twin evaluates where asked: on the GPU, or on the CPU (the mask is moved).
+    with fake_cuda.paused():
+        on_gpu = references.dense_mask(gpu, 1, 1, 200, 200, device="cuda")
+        on_cpu = references.dense_mask(gpu, 1, 1, 200, 200, device="cpu")
+        from_bm = references.dense_mask(bm, device="cpu")
+    ref = references.dense_mask(cpu, 1, 1, 200, 200)
+    assert is_fake_cuda(on_gpu) and torch.equal(to_cpu(on_gpu), ref)
+    assert not is_fake_cuda(on_cpu) and torch.equal(on_cpu, ref)
+    assert torch.equal(from_bm, ref)
+
+
+def test_mask_to_and_block_mask_to_move_to_the_device(fake_cuda, kernels):
+    cpu = masks.tree(*_layouts()[2:4]) & masks.sliding_window(5)
+    moved = cpu.to("cuda")
+    assert all(is_fake_cuda(t) for t in moved._tensors())
+    assert cpu.to("cuda") is moved  # cached
+    q = torch.randn(1, 2, 200, 64, device="cuda", dtype=torch.bfloat16)
+    out = flexpack.attention(q, q, q, moved)  # (tree & window: flex on CUDA)
+    # BlockMask.to moves the tables only; attention reads the mask's tensors on q's device.
+    bm = cpu.block_mask(block_size=128).to("cuda")
+    assert is_fake_cuda(bm.kv_num_blocks)
+    out2 = flexpack.attention(q, q, q, bm)
+    torch.testing.assert_close(to_cpu(out2), to_cpu(out))
+    ref = references.reference_attention(
+        to_cpu(q), to_cpu(q), to_cpu(q), references.dense_mask(cpu, 1, 1, 200, 200)
+    )
+    torch.testing.assert_close(to_cpu(out).float(), ref.float(), atol=2e-2, rtol=2e-2)
+    assert [c.kernel for c in kernels.calls] == ["flex", "flex"]
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+CASES = [  # (mask, backend, dtype, D, expected kernel or None for SDPA)
+    *((n, "auto", torch.bfloat16, 64) for n in MASKS),
+    *((n, "flex", torch.bfloat16, 64) for n in MASKS),
+    *((n, "flex", torch.float32, 8) for n in ("document_causal", "tree", "sliding window")),
+    ("document", "varlen", torch.bfloat16, 64),
+    ("document_causal", "varlen", torch.float16, 128),
+    ("document_causal unsorted", "varlen", torch.bfloat16, 64),
+    ("document_causal", "auto", torch.float32, 64),  # fp32: flex
+    ("document_causal", "auto", torch.float64, 64),  # fp64: SDPA per document
+    ("sliding window", "auto", torch.bfloat16, 320),  # D > 256: SDPA
+    ("tree", "auto", torch.float64, 64),
+]
+
+
+def _expected_kernel(name, backend, dtype, D):
+    if backend == "varlen":
+        return "varlen"
+    if backend == "flex":
+        return "flex"
+    document = name.startswith("document")
+    if dtype == torch.float64 or D > 256:
+        return None
+    if document and dtype != torch.float32 and D % 8 == 0:
+        return "varlen"
+    if name == "causal":
+        return None
+    return "flex"
+
+
+@pytest.mark.parametrize(("name", "backend", "dtype", "D"), CASES)
+def test_attention_on_cuda_reaches_kernels_with_what_they_take(
+    fake_cuda, kernels, name, backend, dtype, D
+):
+    cpu_mask, gpu_mask = _on(fake_cuda, name)
+    torch.manual_seed(1)
+    qc, kc, vc = torch.randn(1, 4, 200, D), torch.randn(1, 2, 200, D), torch.randn(1, 2, 200, D)
+    q, k, v = (fake_cuda.to(x.to(dtype)).requires_grad_() for x in (qc, kc, vc))
+    with fake_cuda.count() as first:
+        out = flexpack.attention(q, k, v, gpu_mask, backend=backend, enable_gqa=True)
+    with fake_cuda.count() as second:  # the next layer: plans and BlockMasks are reused
+        out2 = flexpack.attention(q, k, v, gpu_mask, backend=backend, enable_gqa=True)
+    want = _expected_kernel(name, backend, dtype, D)
+    if want is not None and not ("unsorted" in name and want == "flex"):
+        assert len(first) <= 1, first  # the BlockMask or the varlen plan, once per forward
+    # (The SDPA fallbacks, float64 and D > 256 on CUDA, plan per document or segment on the
+    # host: a few syncs on the first layer, none after.)
+    assert second == [], second  # every later layer: none
+    assert [c.kernel for c in kernels.calls] == ([want] * 2 if want else [])
+    assert is_fake_cuda(out) and out.dtype == dtype and out.shape == q.shape
+    with fake_cuda.paused():
+        out.float().sum().backward()
+    assert is_fake_cuda(q.grad) and q.grad.shape == q.shape
+    ref = references.reference_attention(
+        qc.to(dtype), kc.to(dtype), vc.to(dtype), references.dense_mask(cpu_mask, 1, 1, 200, 200),
+        enable_gqa=True,
+    )  # fmt: skip
+    tol = {torch.float64: 1e-7, torch.float32: 1e-4}.get(dtype, 2e-2)
+    torch.testing.assert_close(to_cpu(out2).double(), ref.double(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_flex_layers_make_no_sync_softcap_included(fake_cuda, kernels, softcap):
+    _, gpu_mask = _on(fake_cuda, "sliding window")
+    q = torch.randn(2, 4, 200, 64, device="cuda", dtype=torch.bfloat16)
+    with fake_cuda.count() as forward:
+        for _ in range(6):  # six layers of one forward
+            flexpack.attention(q, q, q, gpu_mask.to("cuda"), softcap=softcap)
+    assert len(forward) <= 1, forward
+    # Every layer after the first: not one sync (the cap is no new host-to-device copy).
+    assert all(c.syncs_before == kernels.calls[0].syncs_before for c in kernels.calls)
+    assert len(kernels.kernels("flex")) == 6
+
+
+def test_softcap_makes_its_tensor_once_per_device(fake_cuda):
+    a = _attention_flex.softcap_score_mod(50.0, torch.device("cuda"))
+    with fake_cuda.count() as syncs:
+        b = _attention_flex.softcap_score_mod(50.0, torch.device("cuda"))
+    assert a is b and syncs == []
+    cap = next(c.cell_contents for c in a.__closure__ if isinstance(c.cell_contents, torch.Tensor))
+    assert is_fake_cuda(cap) and float(to_cpu(cap)) == 50.0
+
+
+def test_variable_row_lengths_pad_to_buckets_on_cuda(fake_cuda, kernels):
+    lengths = [100, 130, 170, 200, 230, 250, 300, 400, 500, 510, 700, 1000]  # 12 of them
+    for S in lengths:
+        d = fake_cuda.to(torch.cat([torch.zeros(S // 2), torch.ones(S - S // 2)]).long()[None])
+        m = masks.document(d) & masks.causal() & masks.sliding_window(32)
+        q = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.bfloat16)
+        out = flexpack.attention(q, q, q, m)
+        assert out.shape == q.shape
+    from flexpack.attention import flex_row_length
+
+    assert len({c.info["config"] for c in kernels.calls}) == 1  # one compiled wrapper
+    shapes = {c.info["S"] for c in kernels.calls}  # the shapes it compiles for
+    assert shapes == {flex_row_length(S) for S in lengths} == {128, 256, 512, 1024}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_reference_gpt_on_cuda_syncs_at_most_once_per_forward(fake_cuda, kernels):
+    from flexpack.batch import pack_sequences
+    from flexpack.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    docs = [torch.randint(0, 256, (n,)) for n in (50, 90, 30, 70, 40)]
+    batch = pack_sequences(docs, max_len=128)
+    cfg = GPTConfig(n_layer=3, n_head=4, n_kv_head=2, n_embd=256)  # D=64
+    model = GPT(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        want = model(batch.input_ids, doc_ids=batch.doc_ids)
+    model.to("cuda")
+    gpu_batch = batch.to("cuda")
+    with torch.no_grad():
+        with fake_cuda.count() as by_ids:
+            got = model(gpu_batch.input_ids, doc_ids=gpu_batch.doc_ids.clone())
+        with fake_cuda.count() as by_layout:
+            got2 = model(gpu_batch.input_ids, layout=gpu_batch.layout)
+    assert len(by_ids) <= 1, by_ids
+    assert by_layout == [], by_layout
+    assert [c.kernel for c in kernels.calls] == ["varlen"] * 6
+    torch.testing.assert_close(to_cpu(got).float(), want.float(), atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(to_cpu(got2).float(), want.float(), atol=5e-2, rtol=5e-2)
+    # Training: the backward runs on the device and makes no sync either.
+    model.train()
+    logits = model(gpu_batch.input_ids, layout=gpu_batch.layout)
+    with fake_cuda.count() as backward:
+        logits.float().logsumexp(-1).mean().backward()
+    assert backward == [] and all(is_fake_cuda(p.grad) for p in model.parameters())
+
+
+def test_trees_and_logps_on_cuda(fake_cuda, kernels):
+    from flexpack.models import GPT, GPTConfig
+    from flexpack.trees import pack_trees
+
+    torch.manual_seed(0)
+
+    def tokens(n):
+        return torch.randint(0, 256, (n,)).tolist()
+
+    groups = [
+        (tokens(40), [tokens(20), tokens(30)]),
+        (tokens(25), [tokens(15), tokens(10), tokens(12)]),
+    ]
+    batch = pack_trees(groups, max_len=256)
+    cfg = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=256)
+    model = GPT(cfg).to(torch.bfloat16).eval()
+    mask_cpu = batch.mask()
+    with torch.no_grad():
+        logits_cpu = model(batch.input_ids, position_ids=batch.position_ids, mask=mask_cpu)
+    model.to("cuda")
+    gb = fake_cuda.to(batch)
+    with torch.no_grad(), fake_cuda.count() as syncs:
+        logits = model(gb.input_ids, position_ids=gb.position_ids, mask=gb.mask())
+        logps, valid = gb.gather_logps(logits)
+    assert len(syncs) <= 1, syncs
+    assert is_fake_cuda(logps) and is_fake_cuda(valid)
+    want_logps, want_valid = batch.gather_logps(logits_cpu)
+    assert torch.equal(to_cpu(valid), want_valid)
+    torch.testing.assert_close(to_cpu(logps).float(), want_logps.float(), atol=0.3, rtol=0.1)
+    torch.testing.assert_close(to_cpu(logits).float(), logits_cpu.float(), atol=5e-2, rtol=5e-2)
+    assert {c.kernel for c in kernels.calls} == {"flex"}
+
+
+def test_fake_tensor_type_is_what_the_recorders_see(fake_cuda):
+    x = torch.zeros(2, device="cuda")
+    assert isinstance(x, FakeCudaTensor)
+    assert F.pad(x, (0, 2)).device.type == "cuda"
+
+
+# ----------------------------------------------------------------------------- bench/gpu.py
+
+
+def _gpu_bench():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("flexpack_bench_gpu_fake", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_bench_correctness_passes_on_cuda(fake_cuda, kernels):
+    # The GPU benchmark's correctness section, on the device it is written for (kernels
+    # recorded): every path it checks reaches its kernel with what the kernel takes.
+    gpu = _gpu_bench()
+    checks = gpu.correctness(torch.device("cuda"), S=150, dry_run=False)
+    assert checks.failed == 0, "\n".join(checks.lines)
+    assert len(checks.lines) == 14
+    assert {"flex", "varlen"} <= {c.kernel for c in kernels.calls}
+
+
+def test_gpu_bench_quick_survives_failures_and_its_budget(
+    fake_cuda, kernels, monkeypatch, tmp_path
+):
+    gpu = _gpu_bench()
+    real_timer = gpu.make_timer
+    monkeypatch.setattr(
+        gpu, "make_timer", lambda device, **kw: real_timer(device, min_reps=1, budget_s=0)
+    )
+    real = gpu.flexpack.attention
+
+    def attention(*args, backend="auto", **kw):  # one backend broken: its lines fail, not the run
+        if backend == "sdpa":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return real(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(gpu.flexpack, "attention", attention)
+    out = tmp_path / "quick.md"
+    status = gpu.main(["--quick", "--sizes", "128", "256", "--out", str(out)])
+    report = out.read_text()
+    assert status == 1  # a check failed ...
+    assert "FAIL sdpa   bfloat16: RuntimeError: CUDA error" in report
+    assert "| 128 | flexpack flex |" in report and "| 256 | varlen_attn |" in report  # ... timed
+    assert "Skipped (budget): none" in report
+    # A budget too small for everything: steps are skipped and named, the run ends cleanly.
+    monkeypatch.setattr(gpu.flexpack, "attention", real)
+    status = gpu.main(["--quick", "--sizes", "128", "--out", str(out), "--budget", "20"])
+    report = out.read_text()
+    assert "Skipped (budget): " in report and "Skipped (budget): none" not in report
+    assert "skip flex   bfloat16: skipped: budget" in report  # its compile does not fit
+    assert "FAIL" not in report and status == 0
+
+
+# ----------------------------------------------------------------------------- integrations
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])
+def test_transformers_on_cuda_syncs_at_most_once_per_forward(fake_cuda, kernels, model_type):
+    # Llama (D=64 bf16: varlen) and Gemma 2 (softcap and sliding windows: flex) on packed rows.
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    common = dict(
+        vocab_size=256, hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attn_implementation=register(),
+    )  # fmt: skip
+    if model_type == "llama":
+        config = transformers.LlamaConfig(**common)
+        model_cls = transformers.LlamaForCausalLM
+    else:
+        config = transformers.Gemma2Config(
+            **common, head_dim=64, sliding_window=32, attn_logit_softcapping=50.0
+        )
+        model_cls = transformers.Gemma2ForCausalLM
+    torch.manual_seed(0)
+    model = model_cls(config).to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in (60, 90, 40, 70, 30)]
+    batch = flexpack.pack_sequences(docs, max_len=160)
+    with torch.no_grad():
+        want = model(**packed_forward_kwargs(batch)).logits
+    model.to("cuda")
+    kwargs = packed_forward_kwargs(batch)
+    kwargs = {k: fake_cuda.to(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    with torch.no_grad(), fake_cuda.count() as syncs:
+        got = model(**kwargs).logits
+    # transformers' own packed-sequence detection (masking_utils) syncs once; flexpack's part:
+    # one per mask the forward builds (Gemma 2: its sliding layers' and its full layers').
+    ours = [s for s in syncs if "transformers/masking_utils" not in s.where]
+    assert len(ours) <= (1 if model_type == "llama" else 2), ours
+    kinds = {c.kernel for c in kernels.calls}
+    assert kinds == ({"varlen"} if model_type == "llama" else {"flex"})
+    # Per layer nothing: after each mask's first layer, the sync count never moves again.
+    assert len(kernels.calls) == 4
+    assert len({c.syncs_before for c in kernels.calls}) <= (1 if model_type == "llama" else 2)
+    torch.testing.assert_close(to_cpu(got).float(), want.float(), atol=6e-2, rtol=6e-2)

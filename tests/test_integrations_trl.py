@@ -1,0 +1,348 @@
+"""flexpack.integrations.trl: TRL's GRPO / RLOO / DPO trainers with log-probs on prefix trees.
+
+References are TRL's own code on the same model: its ``_get_per_token_logps_and_entropies``
+(its fused LM head over padded rows) for the per-token tensors, and ``trl.GRPOTrainer`` /
+``trl.DPOTrainer`` themselves for whole ``train()`` runs (losses and weights). Tiny random models
+saved to a temporary directory and a word-level tokenizer: no downloads.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+
+from flexpack.integrations import trl as ftrl  # noqa: E402
+from flexpack.trees import pack_padded  # noqa: E402
+
+V = 64
+PAD, EOS = V, V + 1
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    vocab = {f"t{i}": i for i in range(V)} | {"<pad>": PAD, "</s>": EOS, "<unk>": V + 2}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    )
+
+
+def tiny(kind: str = "llama", seed: int = 0):
+    common = dict(
+        vocab_size=V + 3, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=PAD, eos_token_id=EOS,
+        initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(seed)
+    if kind == "mistral":  # a window shorter than prompt + completion
+        return transformers.MistralForCausalLM(
+            transformers.MistralConfig(**common, sliding_window=3)
+        )
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny")
+    for kind in ("llama", "mistral"):
+        tiny(kind).save_pretrained(path / kind)
+    return path
+
+
+def words(g, n):
+    return " ".join(f"t{i}" for i in torch.randint(0, V, (n,), generator=g).tolist())
+
+
+def reward(completions, **_):
+    return [float(len(c) % 5) for c in completions]
+
+
+def grpo_args(tmp_path, **overrides):
+    kw = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, use_cpu=True, bf16=False, report_to=[], beta=0.1,
+        num_iterations=2, gradient_accumulation_steps=2, max_steps=2, seed=0, logging_steps=1,
+        save_strategy="no", learning_rate=1e-2, model_init_kwargs={"dtype": torch.float32},
+    )  # fmt: skip
+    kw.update(overrides)
+    return trl.GRPOConfig(**kw)
+
+
+def grpo(cls, model_dir, tokenizer, tmp_path, kind="llama", **overrides):
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, n) for n in (5, 9, 3, 7)]})
+    return cls(
+        model=str(model_dir / kind), reward_funcs=reward, train_dataset=data,
+        args=grpo_args(tmp_path, **overrides), processing_class=tokenizer,
+    )  # fmt: skip
+
+
+def rl_batch(seed=0):
+    """(B, P + C) ids and mask: left-padded prompts, right-padded completions of other lengths,
+    rows sharing a prompt not contiguous and groups of 3, 2 and 1, one empty completion."""
+    g = torch.Generator().manual_seed(seed)
+    B, P, C = 7, 6, 5
+    ids = torch.randint(0, V, (B, P + C), generator=g)
+    mask = torch.ones(B, P + C, dtype=torch.long)
+    ids[[0, 2, 5], :P] = ids[0, :P]
+    ids[[1, 4], :P] = ids[1, :P]
+    mask[[1, 4], :2] = 0
+    mask[3, :4] = 0
+    mask[6, :1] = 0
+    for b, n in enumerate([5, 2, 4, 1, 5, 3, 0]):  # completion lengths
+        mask[b, P + n :] = 0
+    ids[mask == 0] = PAD
+    return ids, mask, C
+
+
+def seam_pair(trainer, model, ids, mask, C):
+    ours = trainer._get_per_token_logps_and_entropies(model, ids, mask, C, compute_entropy=True)
+    theirs = (
+        type(trainer)
+        .__mro__[2]
+        ._get_per_token_logps_and_entropies(trainer, model, ids, mask, C, compute_entropy=True)
+    )
+    return ours, theirs
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp_path, kind):
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind=kind)
+    assert trainer.model.config._attn_implementation == "sdpa"  # the user's, left as it was
+    ids, mask, C = rl_batch()
+    model = trainer.model
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            (lp, ent, _), (want_lp, want_ent, _) = seam_pair(trainer, model, ids, mask, C)
+        assert lp.shape == want_lp.shape == (7, C) and lp.dtype == want_lp.dtype
+        torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+    # Gradients of a loss over log-probs and entropies, through the tree forward and TRL's.
+    model.gradient_checkpointing_disable()
+    w = torch.randn(lp.shape, generator=torch.Generator().manual_seed(1))
+    grads = []
+    theirs = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)
+    for fn in (trainer._get_per_token_logps_and_entropies, theirs):
+        model.zero_grad()
+        lp, ent, _ = fn(model, ids, mask, C, compute_entropy=True)
+        ((lp * w).sum() + 0.1 * ent.sum()).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    # The prompts ran once: 3 groups + a lone row + the empty one's prompt is not forwarded.
+    assert trainer.flexpack_stats.tree_tokens < trainer.flexpack_stats.padded_tokens
+    assert trainer.model.config._attn_implementation == "sdpa"
+
+
+def test_grpo_bf16_autocast_within_bf16_noise(model_dir, tokenizer, tmp_path):
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, bf16=True)
+    ids, mask, C = rl_batch(1)
+    with torch.no_grad():
+        (lp, ent, _), (want_lp, want_ent, _) = seam_pair(trainer, trainer.model, ids, mask, C)
+        with trainer.accelerator.autocast():
+            assert torch.is_autocast_enabled("cpu")
+    torch.testing.assert_close(lp, want_lp, atol=0.1, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=0.1, rtol=0)
+    assert (lp - want_lp).abs().max() > 0  # really ran in bf16
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def losses(trainer):
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path):
+    """2 steps, beta > 0 (a reference model), num_iterations = 2, gradient accumulation 2."""
+    runs = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer)
+    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
+    assert len(got) == len(want) == 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
+    moved = max((want_w[k] - weights(tiny())[k]).abs().max().item() for k in want_w)
+    assert moved > 1e-3  # training changed the weights
+    # policy (2 iterations), old policy and reference: all through trees, none fell back
+    assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
+    assert ours.model.config._attn_implementation == "sdpa"  # restored after train()
+
+
+def test_rloo_shares_the_seam(model_dir, tokenizer, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, n) for n in (5, 9, 3, 7)]})
+    args = trl.RLOOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+        max_completion_length=6, use_cpu=True, bf16=False, report_to=[], beta=0.1,
+        model_init_kwargs={"dtype": torch.float32},
+    )  # fmt: skip
+    trainer = ftrl.RLOOTrainer(
+        model=str(model_dir / "llama"), reward_funcs=reward, train_dataset=data, args=args,
+        processing_class=tokenizer,
+    )  # fmt: skip
+    ids, mask, C = rl_batch(2)
+    with torch.no_grad():
+        got = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        want = trl.RLOOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, C
+        )
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+    assert trainer.flexpack_stats.calls == 1
+
+
+def test_unpackable_batch_falls_back_to_trl_with_a_warning(model_dir, tokenizer, tmp_path):
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    ids, mask, C = rl_batch()
+    mask[0, -C + 1] = 0  # a hole inside a completion
+    with pytest.warns(UserWarning, match="cannot be packed"), torch.no_grad():
+        (lp, _, _), (want, _, _) = seam_pair(trainer, trainer.model, ids, mask, C)
+    assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+
+
+def dpo_data(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for i in range(n):
+        rows["prompt"].append(words(g, 3 + 2 * i))
+        rows["chosen"].append(" " + words(g, 1 + i % 4))
+        rows["rejected"].append(" " + words(g, 2 + (i * 3) % 5))
+    return datasets.Dataset.from_dict(rows)
+
+
+def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path):
+    runs = {}
+    for name, cls in (("trl", trl.DPOTrainer), ("flexpack", ftrl.DPOTrainer)):
+        args = trl.DPOConfig(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=2,
+            gradient_accumulation_steps=2, use_cpu=True, bf16=False, report_to=[], seed=0,
+            logging_steps=1, save_strategy="no", learning_rate=1e-2, beta=0.1,
+        )  # fmt: skip
+        trainer = cls(
+            model=tiny(), ref_model=tiny(), args=args, train_dataset=dpo_data(),
+            processing_class=tokenizer,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = (trainer.state.log_history, weights(trainer.model), trainer)
+    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
+    keys = ["loss", "rewards/chosen", "rewards/rejected", "logps/chosen", "entropy",
+            "logits/chosen", "mean_token_accuracy"]  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        for k in keys:
+            if k in b:
+                assert a[k] == pytest.approx(b[k], abs=1e-4), k
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
+    assert ours.flexpack_stats.calls >= 4 and ours.flexpack_stats.fallbacks == 0
+    assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
+
+
+def test_tree_path_never_holds_whole_batch_logits():
+    """The LM head runs in chunks: no tensor with the vocabulary as last dim exceeds a chunk."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        most = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple | list) else (out,):
+                if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.shape[-1] != V + 3:
+                    continue
+                if t.untyped_storage().data_ptr() not in weights:  # views of W.T are no logits
+                    Largest.most = max(Largest.most, t.numel() // (V + 3))
+            return out
+
+    model = tiny()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    ids, mask, C = rl_batch()
+    trees = pack_padded(ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:])
+    with Largest():
+        r = ftrl.tree_logps(model, trees, entropy=True, chunk_size=4)
+        (r.logps.sum() + r.entropies.sum()).backward()
+    T = int(trees.batch.rollout_lengths.sum())
+    assert T > 12 and Largest.most == 4  # chunks of 4 rows of logits, never (T, V) or more
+
+
+def test_construction_refuses_a_model_that_cannot_switch(tokenizer, tmp_path):
+    class Fixed(transformers.LlamaForCausalLM):
+        def set_attn_implementation(self, *_a, **_k):  # a model that keeps its attention
+            pass
+
+    model = Fixed(copy.deepcopy(tiny().config))
+    data = datasets.Dataset.from_dict({"prompt": ["t1 t2"] * 4})
+    with pytest.raises(ValueError, match="cannot switch its attention"):
+        ftrl.GRPOTrainer(
+            model=model, reward_funcs=reward, train_dataset=data,
+            args=grpo_args(tmp_path, beta=0.0), processing_class=tokenizer,
+        )  # fmt: skip
+
+
+def test_grpo_seam_on_the_fake_cuda_device(model_dir, tokenizer, tmp_path, fake_cuda):
+    """The tree forward of the trainer seam on cuda:0 (tests/fake_cuda.py): no mixed-device
+    kernel anywhere, TRL's tensors on the device, the CPU values. (Compiled flex is no part of
+    the fake, so the tree forward runs its per-segment SDPA path: backend "sdpa".)"""
+    from fake_cuda import to_cpu, to_fake_cuda
+
+    with fake_cuda.paused():
+        trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+        ids, mask, C = rl_batch()
+        with torch.no_grad():
+            want = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, C, compute_entropy=True
+            )
+    trainer.flexpack_backend = "sdpa"
+    model = to_fake_cuda(trainer.model)
+    with torch.no_grad(), fake_cuda.count() as syncs:
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids.cuda(), mask.cuda(), C, compute_entropy=True
+        )
+    assert lp.device.type == "cuda" and ent.device.type == "cuda"
+    torch.testing.assert_close(to_cpu(lp), want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(to_cpu(ent), want[1], atol=1e-5, rtol=0)
+    # Grouping prompts by their tokens reads them on the host (a few copies per batch), and the
+    # tree layout is read once per forward, not once per layer.
+    assert len(syncs) < 40, syncs
+
+
+def test_ddp_wrapped_model_takes_trls_path(model_dir, tokenizer, tmp_path):
+    """DDP syncs gradients only through its own forward, which the tree forward would bypass:
+    a DDP-wrapped model takes TRL's path (exact), with a warning, never silently unsynced."""
+    import socket
+
+    import torch.distributed as dist
+
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
+        ids, mask, C = rl_batch()
+        with pytest.warns(UserWarning, match="DistributedDataParallel"), torch.no_grad():
+            lp, _, _ = trainer._get_per_token_logps_and_entropies(ddp, ids, mask, C)
+            want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+                trainer, ddp, ids, mask, C
+            )
+        assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+    finally:
+        dist.destroy_process_group()
