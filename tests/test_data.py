@@ -256,15 +256,3 @@ def test_collate_with_mask_in_workers(workers):
         assert torch.equal(dense_mask(moved.block_mask, r, 1, s, s), dense_mask(ref, r, 1, s, s))
     with pytest.raises(ValueError, match="mask must be one of"):
         collate_with_mask([ds[0]], mask="causal")
-
-
-def test_docs_data_md():
-    """The examples in docs/data.md run (they are the user's first contact with the API)."""
-    import doctest
-    import pathlib
-
-    pytest.importorskip("datasets")
-    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data.md"
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    result = doctest.testfile(str(path), module_relative=False, optionflags=flags)
-    assert result.failed == 0

@@ -202,19 +202,6 @@ def test_clear_errors():
     assert "flexpack" in transformers.AttentionInterface._global_mapping
 
 
-def test_docs_integrations_blocks_run():
-    """docs/integrations.md stays true: its python blocks run as written."""
-    import re
-    from pathlib import Path
-
-    page = (Path(__file__).parents[1] / "docs" / "integrations.md").read_text()
-    page = page.split("## Training recipes")[0]  # those run in tests/test_recipes.py
-    blocks = re.findall(r"```python\n(.*?)```", page, flags=re.S)
-    assert len(blocks) == 2
-    for i, block in enumerate(blocks):
-        exec(compile(block, f"docs/integrations.md python block {i}", "exec"), {})
-
-
 def test_mask_cache_keeps_one_mask_per_causal_and_window(monkeypatch):
     """Alternating sliding and full layers (Gemma, Mistral-style) build each mask once."""
     from flexpack.integrations import transformers as hf

@@ -200,18 +200,6 @@ def test_large_random_is_lossless(overflow):
         assert plan.num_rows >= math.ceil(s.placed / 512)
 
 
-def test_docs_examples():
-    """Every `>>>` example in docs/packing.md runs and prints what the page says."""
-    import doctest
-    from pathlib import Path
-
-    docs = Path(__file__).resolve().parents[1] / "docs" / "packing.md"
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    result = doctest.testfile(str(docs), module_relative=False, optionflags=flags)
-    assert result.attempted > 10
-    assert result.failed == 0
-
-
 def test_huge_max_len():
     """ffd switches to a comparison sort when max_len dwarfs the input; bfd refuses clearly."""
     plan = pack([5, 3, 10**9], 2**31, strategy="ffd", seed=None)

@@ -535,14 +535,3 @@ def test_truncate_is_counted_in_stats():
         rows = rows_of(ds)
         assert sum(tokens_of(rows).values()) + ds.stats.truncated == 37
         assert (ds.stats.truncated, ds.stats.truncated_samples) == (2 + 17, 2)
-
-
-def test_docs_streaming_md():
-    """The examples in docs/streaming.md run as written."""
-    import doctest
-    import pathlib
-
-    path = pathlib.Path(__file__).resolve().parents[1] / "docs" / "streaming.md"
-    flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
-    result = doctest.testfile(str(path), module_relative=False, optionflags=flags)
-    assert result.attempted > 10 and result.failed == 0
