@@ -448,9 +448,10 @@ def test_gpu_bench_targets_compare_the_right_numbers():
 
 
 @pytest.mark.compile
-def test_gpu_bench_dry_run_runs_on_cpu(capsys):
+def test_gpu_bench_dry_run_runs_on_cpu(capsys, tmp_path):
     gpu = _load_gpu_bench()
-    assert gpu.main(["--dry-run"]) == 0
+    # its own --out: the default, bench/results/gpu-dry-run.md, is tracked
+    assert gpu.main(["--dry-run", "--out", str(tmp_path / "gpu.md")]) == 0
     out = capsys.readouterr().out
     assert re.search(r"Correctness: (\d+)/\1 checks passed", out)
     assert (
