@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 _ROWS_PER_CHUNK = 1024
 _INT64 = (-(2**63), 2**63 - 1)
-_INSTALL = "pip install 'flexpack[cli]'"
+_INSTALL = "pip install -e '.[cli]' (in a flexpack checkout)"
 _TOKENIZE_HINT = (
     "flexpack packs token ids and does not tokenize. Tokenize first, e.g. with transformers: "
     "tok = AutoTokenizer.from_pretrained(NAME); then write one "
@@ -628,7 +628,8 @@ Pack variable-length token sequences into fixed-length rows for training.
 
 Input: JSONL with one {"input_ids": [...]} object (or one bare [...] list) of token ids per line,
 or Parquet with a list<int> column. flexpack does not tokenize: write token ids first.
-pack and the Parquet input need pyarrow, --plot needs matplotlib: pip install 'flexpack[cli]'.
+pack and the Parquet input need pyarrow, --plot needs matplotlib: pip install -e '.[cli]'
+(in a flexpack checkout).
 """
 
 
@@ -697,7 +698,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser(
         "litgpt-finetune",
         help="fine-tune a LitGPT checkpoint on packed rows, as `litgpt finetune_full` does "
-        "(needs flexpack[litgpt] in its own venv; `flexpack litgpt-finetune --help` lists the "
+        "(needs the litgpt extra in its own venv; `flexpack litgpt-finetune --help` lists the "
         "options; docs/litgpt.md)",
         add_help=False,
         **kw,

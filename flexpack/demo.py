@@ -157,7 +157,7 @@ def _write_mask_pngs(doc_ids: Tensor, out: Path) -> list[str]:
     try:
         import matplotlib  # noqa: F401  (the viz extra)
     except ImportError:
-        return ["skipped the mask PNGs: matplotlib is not installed (pip install 'flexpack[viz]')"]
+        return ["skipped the mask PNGs: matplotlib is not installed (pip install matplotlib)"]
     block_mask = flexpack.document_causal_mask(doc_ids[None])  # (1, 1, S, S)
     n_docs = int((doc_ids >= 0).sum() and doc_ids.max() + 1)
     S = doc_ids.shape[0]

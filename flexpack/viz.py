@@ -1,8 +1,8 @@
 """PNG pictures of masks: a BlockMask's block structure, and the element mask of a small example.
 
-Needs matplotlib (the ``viz`` extra: ``pip install 'flexpack[viz]'``), imported only when a
-function here is called. Figures are drawn on matplotlib's ``Figure`` directly (Agg canvas), so
-nothing here touches the pyplot state or the user's backend.
+Needs matplotlib (the ``viz`` extra: ``pip install -e '.[viz]'`` in a checkout), imported only
+when a function here is called. Figures are drawn on matplotlib's ``Figure`` directly (Agg
+canvas), so nothing here touches the pyplot state or the user's backend.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def _figure(**kwargs: Any) -> Any:
     except ImportError as err:
         raise ImportError(
             "flexpack.viz needs matplotlib, which is not installed; install the viz extra: "
-            "pip install 'flexpack[viz]' (or pip install matplotlib)."
+            "pip install matplotlib (or pip install -e '.[viz]' in a flexpack checkout)."
         ) from err
     return Figure(**kwargs)
 

@@ -61,7 +61,8 @@ def _import_litgpt():
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "flexpack.integrations.litgpt needs litgpt; install it with "
-            "`pip install 'flexpack[litgpt]'` in its own virtual environment (litgpt 0.5 pins "
+            "`pip install -e '.[litgpt]'` (in a flexpack checkout) in its own virtual environment "
+            "(litgpt 0.5 pins "
             "huggingface-hub<1.4, which conflicts with recent datasets/transformers)."
         ) from e
     return litgpt

@@ -58,7 +58,7 @@ def _import_transformers():
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
             "flexpack.integrations.transformers needs transformers; install it with "
-            "`pip install 'flexpack[hf]'` (or `pip install transformers`)."
+            "`pip install transformers` (or `pip install -e '.[hf]'` in a flexpack checkout)."
         ) from e
     return transformers
 

@@ -44,8 +44,8 @@ def _import_trl():
         import trl
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError(
-            "flexpack.integrations.trl needs trl; install it with `pip install 'flexpack[trl]'` "
-            "(or `pip install trl`)."
+            "flexpack.integrations.trl needs trl; install it with `pip install trl` (or "
+            "`pip install -e '.[trl]'` in a flexpack checkout)."
         ) from e
     import trl.trainer.utils as utils
 

@@ -20,8 +20,8 @@ try:
     from hypothesis import strategies as st
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "flexpack.testing.strategies needs hypothesis: pip install 'flexpack[test]' "
-        "(or pip install hypothesis)."
+        "flexpack.testing.strategies needs hypothesis: pip install hypothesis (or "
+        "pip install -e '.[test]' in a flexpack checkout)."
     ) from err
 
 __all__ = ["doc_ids", "forests", "masks", "prefix_lengths", "seqlens"]
