@@ -11,6 +11,7 @@ one per forward (none with a ``PackedLayout``).
 from __future__ import annotations
 
 import itertools
+import re
 from dataclasses import dataclass, field
 
 import pytest
@@ -450,7 +451,8 @@ def test_gpu_bench_quick_survives_failures_and_its_budget(
     report = out.read_text()
     assert "Skipped (budget): " in report and "Skipped (budget): none" not in report
     assert "skip flex   bfloat16: skipped: budget" in report  # its compile does not fit
-    assert "FAIL" not in report and status == 0
+    # no correctness check failed (the speed-target rows judge fake timings: PASS or FAIL by load)
+    assert not re.search(r"^\s*FAIL ", report, re.M) and status == 0
 
 
 # ----------------------------------------------------------------------------- integrations
