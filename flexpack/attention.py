@@ -30,6 +30,7 @@ write SDPA's math out with the cap.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -456,6 +457,26 @@ def _excludes_padding(mask: Any) -> bool:
     return mask.kind == "and" and any(_excludes_padding(c) for c in mask.children)
 
 
+# Padded copies of a mask's tensors: (id, n) -> (weak source, version, padded). Two masks over one
+# row's ids (a model's sliding and full layers) then share one padded tensor, and with it the
+# block-mask code's per-tensor facts (one host sync per forward, not one per mask).
+_PADDED_TENSORS: dict[tuple[int, int], tuple[weakref.ref, int, Tensor]] = {}
+
+
+def _padded_tensor(t: Tensor, n: int) -> Tensor:
+    """``t`` with n more columns: -1 for ids and tree ends, False for prefix flags."""
+    key = (id(t), n)
+    hit = _PADDED_TENSORS.get(key)
+    if hit is not None and hit[0]() is t and hit[1] == t._version:
+        return hit[2]
+    # (B, S) doc / segment ids and prefix flags; (B, S + 1) tree ends: -1 / False
+    padded = F.pad(t, (0, n), value=False if t.dtype == torch.bool else -1)
+    if len(_PADDED_TENSORS) >= 16:
+        _PADDED_TENSORS.pop(next(iter(_PADDED_TENSORS)))
+    _PADDED_TENSORS[key] = (weakref.ref(t), t._version, padded)
+    return padded
+
+
 def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -> _MaskSpec:
     """The spec of ``mask`` padded from S to S_flex tokens: same pairs on the first S tokens,
     and nothing attends to the tail or from it (built once per mask and bucket)."""
@@ -470,8 +491,7 @@ def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -
         def pad(t: Tensor | None) -> Tensor | None:
             if t is None or t.dim() == 0 or n == 0:
                 return t  # a window limit
-            # (B, S) doc / segment ids and prefix flags; (B, S + 1) tree ends: -1 / False
-            return F.pad(t, (0, n), value=False if t.dtype == torch.bool else -1)
+            return _padded_tensor(t, n)
 
         doc_ids = mask.doc_ids
         rows = 1 if doc_ids is None else doc_ids.shape[0]

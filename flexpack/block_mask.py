@@ -23,6 +23,7 @@ With those three values, composition is arithmetic: ``and`` is the element-wise 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -152,19 +153,47 @@ def _narrow(doc_ids: Tensor) -> Tensor:
     return doc_ids if doc_ids.dtype == torch.int64 else doc_ids.to(torch.int32)
 
 
-def _rows_sorted(doc_ids: Tensor) -> bool:
-    """Whether the real (>= 0) ids of every row are non-decreasing (one host sync)."""
+# The order facts of a doc_ids tensor, per tensor: a model that builds two masks from one row's ids
+# (Gemma 2/3, Mistral-style configs: sliding and full layers) pays their host sync once per
+# forward. Weak references and version counters: a freed or edited tensor is never served stale.
+_ORDER: dict[int, tuple[weakref.ref, int, tuple[bool, bool, bool]]] = {}
+
+
+def _order_facts(doc_ids: Tensor) -> tuple[bool, bool, bool]:
+    """(adjacent real tokens ordered, a real token right after padding, every real token equal to
+    the running maximum before it), in one host sync per tensor."""
+    try:
+        version = doc_ids._version
+    except RuntimeError:  # inference tensors have no version counter: do not cache
+        return _compute_order_facts(doc_ids)
+    hit = _ORDER.get(id(doc_ids))
+    if hit is not None and hit[0]() is doc_ids and hit[1] == version:
+        return hit[2]
+    facts = _compute_order_facts(doc_ids)
+    if len(_ORDER) >= 16:
+        _ORDER.pop(next(iter(_ORDER)))
+    _ORDER[id(doc_ids)] = (weakref.ref(doc_ids), version, facts)
+    return facts
+
+
+def _compute_order_facts(doc_ids: Tensor) -> tuple[bool, bool, bool]:
     d = _narrow(doc_ids)
     real = d >= 0
     both = real[:, 1:] & real[:, :-1]
-    # Adjacent real tokens ordered is the whole answer without a real token right after
-    # padding (packer layouts: padding at the row end); otherwise every real token must equal
-    # the running maximum before it. Both answers come back in one transfer.
     adjacent = torch.all(~both | (d[:, 1:] >= d[:, :-1]))
     gap = (real[:, 1:] & ~real[:, :-1]).any()
     running = torch.cummax(torch.where(real, d, -1), dim=-1).values
     monotone = torch.all(~real | (d == running))
-    adjacent, gap, monotone = torch.stack([adjacent, gap, monotone]).tolist()
+    adjacent, gap, monotone = torch.stack([adjacent, gap, monotone]).tolist()  # one transfer
+    return bool(adjacent), bool(gap), bool(monotone)
+
+
+def _rows_sorted(doc_ids: Tensor) -> bool:
+    """Whether the real (>= 0) ids of every row are non-decreasing (one host sync per tensor)."""
+    # Adjacent real tokens ordered is the whole answer without a real token right after
+    # padding (packer layouts: padding at the row end); otherwise every real token must equal
+    # the running maximum before it.
+    adjacent, gap, monotone = _order_facts(doc_ids)
     return adjacent and (not gap or monotone)
 
 
@@ -412,18 +441,15 @@ def _ordered(classes: Tensor, value: int, transpose: bool) -> tuple[Tensor, Tens
 def packed_layout(doc_ids: Tensor) -> bool:
     """Whether every row is a packer layout: real ids non-decreasing, padding only at the end.
 
-    One host sync. Such rows admit :func:`document_block_mask`'s direct construction.
+    One host sync per doc_ids tensor, shared with :func:`_rows_sorted`. Such rows admit
+    :func:`document_block_mask`'s direct construction.
 
     Example:
         >>> packed_layout(torch.tensor([[0, 0, 1, -1]])), packed_layout(torch.tensor([[0, -1, 0]]))
         (True, False)
     """
-    d = _narrow(doc_ids)
-    real = d >= 0
-    after, before = real[:, 1:], real[:, :-1]
-    # A real token after padding, or a real id below the one before it.
-    bad = after & (~before | (d[:, 1:] < d[:, :-1]))
-    return not bool(bad.any())
+    adjacent, gap, _ = _order_facts(doc_ids)  # shared with _rows_sorted: one sync per tensor
+    return adjacent and not gap
 
 
 def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:

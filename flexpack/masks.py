@@ -30,6 +30,7 @@ Example:
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -106,6 +107,36 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
             )
         doc_ids = doc_ids.to(torch.int64)
     return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
+
+
+# The snapshots _as_doc_ids made: id(source) -> (weak source, its version, snapshot, the
+# snapshot's version). Masks built from one unmodified tensor (a model's sliding and full layers'
+# masks, from one row's ids) share one snapshot, so what is computed per tensor (block order
+# facts, varlen and SDPA plans, with their host syncs) is computed once for all of them.
+_SNAPSHOTS: dict[int, tuple[weakref.ref, int, Tensor, int]] = {}
+
+
+def _shared_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
+    """:func:`_as_doc_ids`, reusing the snapshot of an unmodified source tensor."""
+    try:
+        versions = (doc_ids._version,) if isinstance(doc_ids, Tensor) else None
+    except RuntimeError:  # inference tensors have no version counter: never shared
+        versions = None
+    if versions is None:
+        return _as_doc_ids(doc_ids, name)
+    hit = _SNAPSHOTS.get(id(doc_ids))
+    if (
+        hit is not None
+        and hit[0]() is doc_ids
+        and hit[1] == doc_ids._version
+        and hit[2]._version == hit[3]
+    ):
+        return hit[2]
+    snapshot = _as_doc_ids(doc_ids, name)
+    if len(_SNAPSHOTS) >= 16:
+        _SNAPSHOTS.pop(next(iter(_SNAPSHOTS)))
+    _SNAPSHOTS[id(doc_ids)] = (weakref.ref(doc_ids), doc_ids._version, snapshot, snapshot._version)
+    return snapshot
 
 
 def _check_block_size(block_size: Any) -> int:
@@ -745,7 +776,7 @@ def document(doc_ids: Tensor) -> Mask:
         >>> m.mask_mod(torch.tensor(0), torch.tensor(0), torch.tensor(1), torch.tensor(0))
         tensor(True)
     """
-    d = _as_doc_ids(doc_ids)
+    d = _shared_doc_ids(doc_ids)
     return Mask("document", _named(_document_mod(d, causal=False), "document"), doc_ids=d)
 
 
@@ -769,7 +800,7 @@ def padding(doc_ids: Tensor) -> Mask:
         >>> padding(torch.tensor([0, 1, -1])).block_mask(block_size=1).kv_num_blocks.tolist()
         [[[0, 0, 0]]]
     """
-    d = _as_doc_ids(doc_ids)
+    d = _shared_doc_ids(doc_ids)
     return Mask("padding", _named(_padding_mod(d), "padding"), doc_ids=d)
 
 
@@ -797,7 +828,7 @@ def prefix_lm(doc_ids: Tensor, prefix_lengths: Tensor) -> Mask:
         >>> bool(m.mask_mod(q, q, q, kv)), bool(m.mask_mod(q, q, q, torch.tensor(2)))
         (True, False)
     """
-    d = _as_doc_ids(doc_ids)
+    d = _shared_doc_ids(doc_ids)
     in_prefix = _prefix_flags(d, prefix_lengths)
     return Mask(
         "prefix_lm",
@@ -865,7 +896,7 @@ def document_causal_mask(doc_ids: Tensor, *, block_size: int = 128) -> BlockMask
         >>> bm.shape, bm.full_kv_num_blocks.tolist()
         ((2, 1, 4, 4), [[[0, 0]], [[0, 0]]])
     """
-    return _document_causal(_as_doc_ids(doc_ids)).block_mask(block_size=block_size)
+    return _document_causal(_shared_doc_ids(doc_ids)).block_mask(block_size=block_size)
 
 
 def prefix_lm_mask(doc_ids: Tensor, prefix_lengths: Tensor, *, block_size: int = 128) -> BlockMask:
