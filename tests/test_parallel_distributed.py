@@ -103,6 +103,9 @@ def _worker(rank: int, world: int, init_file: str) -> None:
         _check(rank, world, torch.float64, 1e-9, Hq=2, Hkv=1, softcap=2.0)
         _check_gather(rank, world)
         _check_torch_cp(rank, world)
+        # no rank tears gloo down while another is still in a collective (that aborted a rank
+        # with "terminate called without an active exception" under load)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
