@@ -19,7 +19,6 @@ flex_attention has no CPU backward in torch 2.13, so training on CPU goes throug
 from __future__ import annotations
 
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
+from flexpack._tensor_cache import PerTensor
 from flexpack.layout import _check_int32_tokens
 
 
@@ -90,8 +90,7 @@ def document_groups(doc_ids: Tensor) -> DocumentGroups:
 
 
 _Plan = TypeVar("_Plan")
-_PLANS: dict[tuple[str, int, int], tuple[weakref.ref, int, object]] = {}
-_MAX_PLANS = 16
+_PLANS: PerTensor = PerTensor(16)
 
 
 def cached_plan(kind: str, doc_ids: Tensor, B: int, build: Callable[[Tensor], _Plan]) -> _Plan:
@@ -102,19 +101,7 @@ def cached_plan(kind: str, doc_ids: Tensor, B: int, build: Callable[[Tensor], _P
     weak reference and the tensor's version counter, so a freed or in-place-modified doc_ids is
     never served stale; it keeps at most 16 plans.
     """
-    try:
-        version = doc_ids._version
-    except RuntimeError:  # inference tensors have no version counter: do not cache
-        return build(doc_ids.expand(B, doc_ids.shape[-1]))
-    key = (kind, id(doc_ids), B)
-    hit = _PLANS.get(key)
-    if hit is not None and hit[0]() is doc_ids and hit[1] == version:
-        return hit[2]  # type: ignore[return-value]
-    plan = build(doc_ids.expand(B, doc_ids.shape[-1]))
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.pop(next(iter(_PLANS)))
-    _PLANS[key] = (weakref.ref(doc_ids), version, plan)
-    return plan
+    return _PLANS.get(doc_ids, lambda: build(doc_ids.expand(B, doc_ids.shape[-1])), (kind, B))
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,6 @@ write SDPA's math out with the cap.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -42,6 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexpack import _attention_flex, _attention_sdpa, _attention_tree
 from flexpack import masks as _masks
 from flexpack._attention_flex import RecompileLimitError
+from flexpack._tensor_cache import PerTensor
 
 __all__ = ["RecompileLimitError", "attention"]
 
@@ -457,24 +457,17 @@ def _excludes_padding(mask: Any) -> bool:
     return mask.kind == "and" and any(_excludes_padding(c) for c in mask.children)
 
 
-# Padded copies of a mask's tensors: (id, n) -> (weak source, version, padded). Two masks over one
-# row's ids (a model's sliding and full layers) then share one padded tensor, and with it the
-# block-mask code's per-tensor facts (one host sync per forward, not one per mask).
-_PADDED_TENSORS: dict[tuple[int, int], tuple[weakref.ref, int, Tensor]] = {}
+# Padded copies of a mask's tensors, per tensor and width. Two masks over one row's ids (a model's
+# sliding and full layers) then share one padded tensor, and with it the block-mask code's
+# per-tensor facts (one host sync per forward, not one per mask).
+_PADDED_TENSORS: PerTensor[Tensor] = PerTensor(16)
 
 
 def _padded_tensor(t: Tensor, n: int) -> Tensor:
     """``t`` with n more columns: -1 for ids and tree ends, False for prefix flags."""
-    key = (id(t), n)
-    hit = _PADDED_TENSORS.get(key)
-    if hit is not None and hit[0]() is t and hit[1] == t._version:
-        return hit[2]
     # (B, S) doc / segment ids and prefix flags; (B, S + 1) tree ends: -1 / False
-    padded = F.pad(t, (0, n), value=False if t.dtype == torch.bool else -1)
-    if len(_PADDED_TENSORS) >= 16:
-        _PADDED_TENSORS.pop(next(iter(_PADDED_TENSORS)))
-    _PADDED_TENSORS[key] = (weakref.ref(t), t._version, padded)
-    return padded
+    value = False if t.dtype == torch.bool else -1
+    return _PADDED_TENSORS.get(t, lambda: F.pad(t, (0, n), value=value), n)
 
 
 def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -> _MaskSpec:

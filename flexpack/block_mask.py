@@ -23,12 +23,13 @@ With those three values, composition is arithmetic: ``and`` is the element-wise 
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
+
+from flexpack._tensor_cache import PerTensor
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -155,25 +156,14 @@ def _narrow(doc_ids: Tensor) -> Tensor:
 
 # The order facts of a doc_ids tensor, per tensor: a model that builds two masks from one row's ids
 # (Gemma 2/3, Mistral-style configs: sliding and full layers) pays their host sync once per
-# forward. Weak references and version counters: a freed or edited tensor is never served stale.
-_ORDER: dict[int, tuple[weakref.ref, int, tuple[bool, bool, bool]]] = {}
+# forward.
+_ORDER: PerTensor[tuple[bool, bool, bool]] = PerTensor(16)
 
 
 def _order_facts(doc_ids: Tensor) -> tuple[bool, bool, bool]:
     """(adjacent real tokens ordered, a real token right after padding, every real token equal to
     the running maximum before it), in one host sync per tensor."""
-    try:
-        version = doc_ids._version
-    except RuntimeError:  # inference tensors have no version counter: do not cache
-        return _compute_order_facts(doc_ids)
-    hit = _ORDER.get(id(doc_ids))
-    if hit is not None and hit[0]() is doc_ids and hit[1] == version:
-        return hit[2]
-    facts = _compute_order_facts(doc_ids)
-    if len(_ORDER) >= 16:
-        _ORDER.pop(next(iter(_ORDER)))
-    _ORDER[id(doc_ids)] = (weakref.ref(doc_ids), version, facts)
-    return facts
+    return _ORDER.get(doc_ids, lambda: _compute_order_facts(doc_ids))
 
 
 def _compute_order_facts(doc_ids: Tensor) -> tuple[bool, bool, bool]:

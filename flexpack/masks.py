@@ -30,7 +30,6 @@ Example:
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +38,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexpack import block_mask as _bm
+from flexpack._tensor_cache import PerTensor
 
 __all__ = [
     "Mask",
@@ -109,33 +109,26 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
     return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
 
 
-# The snapshots _as_doc_ids made: id(source) -> (weak source, its version, snapshot, the
-# snapshot's version). Masks built from one unmodified tensor (a model's sliding and full layers'
-# masks, from one row's ids) share one snapshot, so what is computed per tensor (block order
-# facts, varlen and SDPA plans, with their host syncs) is computed once for all of them.
-_SNAPSHOTS: dict[int, tuple[weakref.ref, int, Tensor, int]] = {}
+# The snapshots _as_doc_ids made, per source tensor, with the snapshot's own version. Masks built
+# from one unmodified tensor (a model's sliding and full layers' masks, from one row's ids) share
+# one snapshot, so what is computed per tensor (block order facts, varlen and SDPA plans, with
+# their host syncs) is computed once for all of them.
+_SNAPSHOTS: PerTensor[tuple[Tensor, int]] = PerTensor(16)
 
 
 def _shared_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
     """:func:`_as_doc_ids`, reusing the snapshot of an unmodified source tensor."""
-    try:
-        versions = (doc_ids._version,) if isinstance(doc_ids, Tensor) else None
-    except RuntimeError:  # inference tensors have no version counter: never shared
-        versions = None
-    if versions is None:
+    if not isinstance(doc_ids, Tensor):
         return _as_doc_ids(doc_ids, name)
-    hit = _SNAPSHOTS.get(id(doc_ids))
-    if (
-        hit is not None
-        and hit[0]() is doc_ids
-        and hit[1] == doc_ids._version
-        and hit[2]._version == hit[3]
-    ):
-        return hit[2]
-    snapshot = _as_doc_ids(doc_ids, name)
-    if len(_SNAPSHOTS) >= 16:
-        _SNAPSHOTS.pop(next(iter(_SNAPSHOTS)))
-    _SNAPSHOTS[id(doc_ids)] = (weakref.ref(doc_ids), doc_ids._version, snapshot, snapshot._version)
+
+    def snap() -> tuple[Tensor, int]:
+        snapshot = _as_doc_ids(doc_ids, name)
+        return snapshot, snapshot._version
+
+    snapshot, version = _SNAPSHOTS.get(doc_ids, snap)
+    if snapshot._version != version:  # the snapshot itself was edited: a fresh one
+        snapshot, version = snap()
+        _SNAPSHOTS.put(doc_ids, (snapshot, version))
     return snapshot
 
 
