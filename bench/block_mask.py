@@ -41,7 +41,7 @@ import subprocess
 import sys
 import time
 
-from _machine import describe  # bench/ is on sys.path when run as a script
+from _machine import describe, tensor_peak  # bench/ is on sys.path when run as a script
 
 CONFIGS = [(4096, 1), (4096, 8), (16384, 1), (16384, 8), (65536, 1), (65536, 8)]
 # (method, threads): None is torch's default intra-op thread count.
@@ -69,20 +69,6 @@ def _doc_ids(S: int, B: int, seed: int = 0):
         row = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)[:S]
         rows.append(torch.from_numpy(row))
     return torch.stack(rows)
-
-
-def _tensor_peak(fn) -> int:
-    """Peak of live tensor bytes during fn(), from the profiler's allocation events."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
 
 
 def user_document_causal(doc):
@@ -137,7 +123,7 @@ def _worker(S: int, B: int, method: str, reps: int, threads: int | None) -> dict
                 paired.append(time.perf_counter() - t0)
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) * 1024
     is_compiled = method in ("compiled", "user_compiled")
-    peak = _tensor_peak(fn) if not is_compiled or S <= 16384 else None
+    peak = tensor_peak(fn) if not is_compiled or S <= 16384 else None
     size = sum(t.nbytes for t in bm.as_tuple() if isinstance(t, torch.Tensor))
     times.sort()
     paired.sort()

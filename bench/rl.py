@@ -34,7 +34,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from _machine import describe  # bench/ is on sys.path when run as a script
+from _machine import describe, tensor_peak  # bench/ is on sys.path when run as a script
 
 V = 4096
 
@@ -196,20 +196,6 @@ def batch_for(kind, args):
     return grpo_batch(args.prompts) if kind == "grpo" else dpo_batch(args.pairs)
 
 
-def peak_mib(fn) -> float:
-    """Peak bytes of tensors allocated while ``fn`` runs (the CPU profiler's memory events)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    live = peak = 0
-    for e in sorted(events, key=lambda e: e.start_ns()):
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak / 2**20
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--prompts", type=int, default=2, help="GRPO prompts (x 8 completions)")
@@ -247,7 +233,7 @@ def main() -> None:
                     "tokens": tokens(t, kind, batch),
                     "logp": statistics.median(times[(s, "logp")]),
                     "step": statistics.median(times[(s, "step")]),
-                    "peak": peak_mib(functools.partial(step, t, kind, batch, opts[s])),
+                    "peak": tensor_peak(functools.partial(step, t, kind, batch, opts[s])) / 2**20,
                 }
             rows.append((kind, result))
     print(f"machine: {machine}; torch {torch.__version__}, {args.threads} threads")

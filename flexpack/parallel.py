@@ -28,7 +28,7 @@ S_l = S // W tokens per rank, H heads, D head dimension.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -754,19 +754,8 @@ def _local_attention(
 def _on(shard: ContextShard, device: torch.device) -> ContextShard:
     if shard.index.device == device:
         return shard
-    moved = {
-        name: getattr(shard, name).to(device)
-        for name in ("index", "doc_ids", "position_ids", "gathered_index", "row_doc_ids")
-    }
-    return ContextShard(
-        **moved,
-        work=shard.work,
-        rank=shard.rank,
-        world_size=shard.world_size,
-        balance=shard.balance,
-        rank_work=shard.rank_work,
-        block_size=shard.block_size,
-    )
+    names = ("index", "doc_ids", "position_ids", "gathered_index", "row_doc_ids")
+    return replace(shard, **{name: getattr(shard, name).to(device) for name in names})
 
 
 def context_parallel_attention(
