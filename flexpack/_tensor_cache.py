@@ -2,19 +2,112 @@
 
 A model calls attention once per layer with one row's document ids, and builds a mask or two per
 forward from them: what is derived from those ids (plans, order facts, snapshots, padded copies),
-and the host syncs that derive it, should happen once. Entries hold a weak reference to the
-tensor and its in-place version counter, so a freed or edited tensor is never served stale.
+and the host syncs that derive it, should happen once. An entry keeps a :class:`Stamp` of the
+tensor it was derived from, and is served again only while the stamp still matches.
+
+What a stamp sees, per kind of write a user can make between two calls:
+
+==========================================  ======================  ======================
+write                                       CPU tensor              CUDA tensor
+==========================================  ======================  ======================
+in-place op (``ids.add_(1)``, ``ids[0]=``)  version counter         version counter
+``ids.data = other``                        storage pointer         storage pointer
+a freed tensor, a new one at its ``id``     weak reference          weak reference
+through numpy (``torch.from_numpy(buf)``)   content copy            (numpy cannot)
+``ids.data[...] = ...`` (no version bump)   content copy            not seen (see below)
+in place on an inference tensor (no         content copy            not seen (see below)
+version counter)
+==========================================  ======================  ======================
+
+On CPU the stamp keeps a copy of the tensor's content and compares it on every reuse: doc ids are
+B * S integers, nothing next to the mask or plan they save. On CUDA that comparison would be a
+host sync per layer (the ``bool`` of a device comparison), which is the cost the cache exists to
+remove, so a CUDA stamp trusts the version counter and the storage: a write through ``.data`` of
+a CUDA tensor, or in place on a CUDA inference tensor, is not seen. Pass a new tensor (the usual
+case: every collated batch is one) or call :func:`flexpack.clear_caches` after such a write.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
 
+import torch
 from torch import Tensor
 
 _V = TypeVar("_V")
+
+
+def version(t: Tensor) -> int | None:
+    """``t``'s in-place version counter; None for an inference tensor, which has none."""
+    try:
+        return t._version
+    except RuntimeError:  # "Inference tensors do not track version counter."
+        return None
+
+
+def _layout(t: Tensor) -> tuple:
+    # data_ptr changes with `t.data = other`; a tensor subclass without storage reports 0.
+    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _content(t: Tensor) -> Tensor | None:
+    """A copy to compare on reuse, where comparing needs no host sync (plain CPU tensors)."""
+    if t.device.type != "cpu" or type(t) not in (Tensor, torch.nn.Parameter):
+        return None
+    if torch.compiler.is_compiling():  # a traced value has no content to copy
+        return None
+    return t.detach().clone()
+
+
+class Stamp:
+    """What a tensor was when a value was derived from it: identity (a weak reference), version
+    counter, storage and layout, and on CPU a copy of its content.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> buf = np.zeros(3, dtype=np.int64); t = torch.from_numpy(buf)
+        >>> s = Stamp(t); s.matches(t)
+        True
+        >>> buf[:] = 1; s.matches(t)  # written through numpy: no version bump, seen anyway
+        False
+    """
+
+    __slots__ = ("_content", "_layout", "_ref", "_version")
+
+    def __init__(self, t: Tensor) -> None:
+        self._ref = weakref.ref(t)
+        self._version = version(t)
+        self._layout = _layout(t)
+        self._content = _content(t)
+
+    def matches(self, t: Tensor) -> bool:
+        """Whether ``t`` is the stamped tensor, unmodified as far as the stamp can tell."""
+        if self._ref() is not t or version(t) != self._version or _layout(t) != self._layout:
+            return False
+        return self._content is None or torch.equal(self._content, t)
+
+
+def stamps(tensors: Iterable[Tensor | None]) -> tuple[Stamp | None, ...]:
+    """One :class:`Stamp` per tensor (None stays None)."""
+    return tuple(None if t is None else Stamp(t) for t in tensors)
+
+
+def all_match(stamped: tuple[Stamp | None, ...] | None, tensors: Iterable[Tensor | None]) -> bool:
+    """Whether ``tensors`` are, one for one, the unmodified tensors of ``stamped``."""
+    if stamped is None:
+        return False
+    tensors = tuple(tensors)
+    if len(tensors) != len(stamped):
+        return False
+    for s, t in zip(stamped, tensors, strict=True):
+        if (s is None) != (t is None) or (s is not None and not s.matches(t)):
+            return False
+    return True
+
+
+_CACHES: list[weakref.ref] = []
 
 
 class PerTensor(Generic[_V]):
@@ -27,21 +120,19 @@ class PerTensor(Generic[_V]):
         (3, 3)
         >>> _ = t.add_(1); cache.get(t, lambda: -1)  # edited in place: built again
         -1
+        >>> t.data[0] = 7; cache.get(t, lambda: -2)  # a write the version counter misses
+        -2
     """
 
     def __init__(self, maxsize: int = 16) -> None:
         self.maxsize = maxsize
-        self._entries: dict[tuple, tuple[weakref.ref, int, _V]] = {}
+        self._entries: dict[tuple, tuple[Stamp, _V]] = {}
+        _CACHES.append(weakref.ref(self))
 
     def get(self, t: Tensor, build: Callable[[], _V], key: Hashable = ()) -> _V:
-        try:
-            version = t._version
-        except RuntimeError:  # inference tensors have no version counter: do not cache
-            return build()
-        slot = (id(t), key)
-        hit = self._entries.get(slot)
-        if hit is not None and hit[0]() is t and hit[1] == version:
-            return hit[2]
+        hit = self._entries.get((id(t), key))
+        if hit is not None and hit[0].matches(t):
+            return hit[1]
         value = build()
         self.put(t, value, key)
         return value
@@ -50,4 +141,33 @@ class PerTensor(Generic[_V]):
         slot = (id(t), key)
         if slot not in self._entries and len(self._entries) >= self.maxsize:
             self._entries.pop(next(iter(self._entries)))
-        self._entries[slot] = (weakref.ref(t), t._version, value)
+        self._entries[slot] = (Stamp(t), value)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+_CLEARS: list[Callable[[], None]] = []
+
+
+def on_clear(fn: Callable[[], None]) -> None:
+    """Have :func:`clear_caches` call ``fn`` too (for caches kept outside a :class:`PerTensor`)."""
+    _CLEARS.append(fn)
+
+
+def clear_caches() -> None:
+    """Forget every value flexpack derived from a tensor (masks, plans, snapshots).
+
+    Only needed after a write no stamp sees: ``ids.data[...] = ...`` on a CUDA tensor, or an
+    in-place write to a CUDA inference tensor, between two calls that pass that same tensor.
+
+    Example:
+        >>> import flexpack
+        >>> flexpack.clear_caches()
+    """
+    for ref in _CACHES:
+        cache = ref()
+        if cache is not None:
+            cache.clear()
+    for fn in _CLEARS:
+        fn()

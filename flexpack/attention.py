@@ -41,7 +41,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexpack import _attention_flex, _attention_sdpa, _attention_tree
 from flexpack import masks as _masks
 from flexpack._attention_flex import RecompileLimitError
-from flexpack._tensor_cache import PerTensor
+from flexpack._tensor_cache import PerTensor, all_match, on_clear, stamps
 
 __all__ = ["RecompileLimitError", "attention"]
 
@@ -367,31 +367,24 @@ def _kv_for_causal_sdpa(
 # BlockMasks built for flexpack Masks on the flex path, reused by every layer of a forward:
 # (id of the mask_mod, B, S, block size, device) -> (mask_mod, tensor versions, BlockMask). The
 # BlockMask holds its mask_mod, so an id is never reused while its entry lives.
-_BLOCK_MASKS: dict[tuple, tuple[Any, tuple[int, ...], BlockMask]] = {}
+_BLOCK_MASKS: dict[tuple, tuple[Any, tuple, BlockMask]] = {}
 _MAX_BLOCK_MASKS = 8
-
-
-def _versions(mask: Any) -> tuple[int, ...] | None:
-    try:
-        return tuple(t._version for t in _mask_tensors(mask))
-    except RuntimeError:  # inference tensors have no version counter
-        return None
+on_clear(_BLOCK_MASKS.clear)
 
 
 def _cached_block_mask(mask: Any, B: int, S: int, block_size: int, device: torch.device):
     """``mask.block_mask(...)``, built once while the mask and its tensors are unchanged."""
-    versions = _versions(mask)
+    tensors = _mask_tensors(mask)
     key = (id(mask.mask_mod), B, S, block_size, str(device))
     hit = _BLOCK_MASKS.get(key)
-    if versions is not None and hit is not None and hit[0] is mask.mask_mod and hit[1] == versions:
+    if hit is not None and hit[0] is mask.mask_mod and all_match(hit[1], tensors):
         return hit[2]
     # Masks with doc ids build on their device (that of q, checked by _mask_spec).
     where = None if getattr(mask, "doc_ids", None) is not None else device
     built = mask.block_mask(B=B, Q_LEN=S, KV_LEN=S, device=where, block_size=block_size)
-    if versions is not None:
-        if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
-            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
-        _BLOCK_MASKS[key] = (mask.mask_mod, versions, built)
+    if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
+        _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+    _BLOCK_MASKS[key] = (mask.mask_mod, stamps(tensors), built)
     return built
 
 
@@ -446,7 +439,8 @@ def flex_row_length(S: int) -> int:
 
 # Padded copies of flexpack Masks for the flex path's bucket lengths, as _BLOCK_MASKS:
 # (id of the mask_mod, S_flex) -> (mask_mod, tensor versions, padded Mask).
-_PADDED: dict[tuple, tuple[Any, tuple[int, ...], Any]] = {}
+_PADDED: dict[tuple, tuple[Any, tuple, Any]] = {}
+on_clear(_PADDED.clear)
 
 
 def _excludes_padding(mask: Any) -> bool:
@@ -473,10 +467,10 @@ def _padded_tensor(t: Tensor, n: int) -> Tensor:
 def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -> _MaskSpec:
     """The spec of ``mask`` padded from S to S_flex tokens: same pairs on the first S tokens,
     and nothing attends to the tail or from it (built once per mask and bucket)."""
-    versions = _versions(mask)
+    tensors = _mask_tensors(mask)
     key = (id(mask.mask_mod), S_flex)
     hit = _PADDED.get(key)
-    if versions is not None and hit is not None and hit[0] is mask.mask_mod and hit[1] == versions:
+    if hit is not None and hit[0] is mask.mask_mod and all_match(hit[1], tensors):
         padded = hit[2]
     else:
         n = S_flex - S
@@ -493,10 +487,9 @@ def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -
         padded = mask._rebuilt(pad)
         if not _excludes_padding(padded):
             padded = padded & _masks.padding(tail)
-        if versions is not None:
-            if len(_PADDED) >= _MAX_BLOCK_MASKS:
-                _PADDED.pop(next(iter(_PADDED)))
-            _PADDED[key] = (mask.mask_mod, versions, padded)
+        if len(_PADDED) >= _MAX_BLOCK_MASKS:
+            _PADDED.pop(next(iter(_PADDED)))
+        _PADDED[key] = (mask.mask_mod, stamps(tensors), padded)
     return _MaskSpec(kind=padded.kind, doc_ids=padded.doc_ids, mask=padded, block_mask=None)
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
 from flexpack import block_mask as _bm
-from flexpack._tensor_cache import PerTensor
+from flexpack._tensor_cache import PerTensor, Stamp, all_match, stamps
 
 __all__ = [
     "Mask",
@@ -109,11 +109,11 @@ def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
     return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
 
 
-# The snapshots _as_doc_ids made, per source tensor, with the snapshot's own version. Masks built
-# from one unmodified tensor (a model's sliding and full layers' masks, from one row's ids) share
-# one snapshot, so what is computed per tensor (block order facts, varlen and SDPA plans, with
-# their host syncs) is computed once for all of them.
-_SNAPSHOTS: PerTensor[tuple[Tensor, int]] = PerTensor(16)
+# The snapshots _as_doc_ids made, per source tensor. Masks built from one unmodified tensor (a
+# model's sliding and full layers' masks, from one row's ids) share one snapshot, so what is
+# computed per tensor (block order facts, varlen and SDPA plans, with their host syncs) is computed
+# once for all of them. A snapshot edited itself (through mask.doc_ids) is replaced.
+_SNAPSHOTS: PerTensor[tuple[Tensor, Stamp]] = PerTensor(16)
 
 
 def _shared_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
@@ -121,14 +121,14 @@ def _shared_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
     if not isinstance(doc_ids, Tensor):
         return _as_doc_ids(doc_ids, name)
 
-    def snap() -> tuple[Tensor, int]:
+    def snap() -> tuple[Tensor, Stamp]:
         snapshot = _as_doc_ids(doc_ids, name)
-        return snapshot, snapshot._version
+        return snapshot, Stamp(snapshot)
 
-    snapshot, version = _SNAPSHOTS.get(doc_ids, snap)
-    if snapshot._version != version:  # the snapshot itself was edited: a fresh one
-        snapshot, version = snap()
-        _SNAPSHOTS.put(doc_ids, (snapshot, version))
+    snapshot, stamp = _SNAPSHOTS.get(doc_ids, snap)
+    if not stamp.matches(snapshot):
+        snapshot, stamp = snap()
+        _SNAPSHOTS.put(doc_ids, (snapshot, stamp))
     return snapshot
 
 
@@ -443,7 +443,7 @@ class Mask:
         self._in_prefix = in_prefix
         self._window_t = window_t  # 0-d int64 twin of ``window``, read by the mask_mod
         # .to(device) results, one per device, with the versions of the tensors they copied.
-        self._moved: dict[torch.device, tuple[tuple[int, ...], Mask]] = {}
+        self._moved: dict[torch.device, tuple[tuple[Stamp | None, ...], Mask]] = {}
         # Lets mask_of() find the Mask behind a BlockMask (the mask_mod travels with it).
         mask_mod._flexpack_mask = self  # type: ignore[attr-defined]
 
@@ -499,15 +499,12 @@ class Mask:
         dev = torch.device(device)
         if all(_same_device(dev, t.device) for t in self._tensors()):
             return self
-        try:  # an in-place edit of a tensor (new version) makes the cached copy stale
-            versions = tuple(t._version for t in self._tensors())
-        except RuntimeError:  # inference tensors have no version counter: do not cache
-            return self._rebuilt(lambda t: _moved_to(t, dev))
-        hit = self._moved.get(dev)
-        if hit is not None and hit[0] == versions:
+        tensors = self._tensors()
+        hit = self._moved.get(dev)  # stale once a tensor was written (see _tensor_cache)
+        if hit is not None and all_match(hit[0], tensors):
             return hit[1]
         moved = self._rebuilt(lambda t: _moved_to(t, dev))
-        self._moved[dev] = (versions, moved)
+        self._moved[dev] = (stamps(tensors), moved)
         return moved
 
     def _rebuilt(self, move: Callable[[Tensor | None], Tensor | None]) -> Mask:

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from flexpack._choices import OVERFLOWS
+from flexpack._tensor_cache import all_match, on_clear, stamps
 from flexpack.packing import DocsPerRow, PackStats, pack
 
 __all__ = ["MultimodalRows", "collate_multimodal", "pack_multimodal"]
@@ -701,6 +702,7 @@ def _vision_attention(
 
 
 _span_cache: dict[str, Any] = {}
+on_clear(_span_cache.clear)
 
 
 def _image_span_mask(
@@ -726,17 +728,15 @@ def _image_span_mask(
                 f" (pack_multimodal rows carry both); got {name} {got}."
             )
     sources = (padding, doc_ids, spans)
-    key = (tuple(-1 if t is None else t._version for t in sources), device, B, S)
-    if _span_cache.get("key") != key or not all(
-        a is b for a, b in zip(_span_cache["sources"], sources, strict=True)
-    ):
+    key = (device, B, S)  # and stamps of the sources (flexpack._tensor_cache)
+    if _span_cache.get("key") != key or not all_match(_span_cache.get("sources"), sources):
         d = doc_ids.to(device=device, dtype=torch.int32).expand(B, S)
         if padding is not None:
             d = torch.where(padding[:, -S:].to(device=device, dtype=torch.bool), d, -1)
         sp = torch.where(d >= 0, spans.to(device=device, dtype=torch.int32).expand(B, S), -1)
         _span_cache.clear()
         _span_cache.update(
-            key=key, sources=sources, ids=(d.contiguous(), sp.contiguous()), masks={}
+            key=key, sources=stamps(sources), ids=(d.contiguous(), sp.contiguous()), masks={}
         )
     built = _span_cache["masks"]
     if (is_causal, window) not in built:

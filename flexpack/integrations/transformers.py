@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack._tensor_cache import Stamp, all_match, on_clear, stamps
 from flexpack.integrations import multimodal
 from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
 
@@ -45,11 +46,12 @@ __all__ = [
 ]
 
 # Every layer of a forward receives the same doc_ids/position_ids tensors, so the document ids are
-# derived for the first layer and reused by the others (and by the next forward on the same
-# tensors). Holding the tensors keeps their ids from being reused; `_version` sees in-place edits.
+# derived for the first layer and reused by the others (and by the next forward on the same,
+# unmodified tensors: flexpack._tensor_cache.Stamp says which writes are seen).
 # Masks are kept per (is_causal, window) for those ids: models that alternate sliding and full
 # layers (Gemma, Mistral-style configs) then build each mask once, not once per layer.
 _cache: dict[str, Any] = {}
+on_clear(_cache.clear)
 
 
 def _import_transformers():
@@ -306,24 +308,18 @@ def _mask_for(
 ):
     """The flexpack mask of this forward, built once per (is_causal, window) for all layers."""
     sources = (padding, doc_ids, seq_idx, position_ids)
-    # The cache holds the source tensors themselves: identity plus their in-place version
-    # counters say whether this forward's inputs are the cached ones.
-    key = (tuple(_version(t) for t in sources), device, B, S)
-    if _cache.get("key") != key or not all(
-        a is b for a, b in zip(_cache["sources"], sources, strict=True)
-    ):
+    # Stamps of the source tensors (identity, version, storage, CPU content: see _tensor_cache)
+    # say whether this forward's inputs are the cached ones.
+    key = (device, B, S)
+    if _cache.get("key") != key or not all_match(_cache.get("sources"), sources):
         ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
         _cache.clear()
-        _cache.update(key=key, sources=sources, ids=ids, masks={})
+        _cache.update(key=key, sources=stamps(sources), ids=ids, masks={})
     masks = _cache["masks"]
     mask_key = (is_causal, sliding_window)
     if mask_key not in masks:
         masks[mask_key] = _build_mask(_cache["ids"], is_causal, sliding_window)
     return masks[mask_key]
-
-
-def _version(t: Tensor | None) -> int:
-    return -1 if t is None else t._version
 
 
 def _doc_ids(
@@ -456,11 +452,13 @@ class _WindowedTree:
 
     def __init__(self, tree: Any, window: int, position_ids: Tensor) -> None:
         self.tree, self.window, self.position_ids = tree, window, position_ids
+        self.stamp = Stamp(position_ids)  # reused while the same, unmodified position_ids
         self.pieces: Any = None  # per-segment SDPA pieces with the window, built on first use
         self.block_mask: Any = None  # the flex BlockMask, built on first use
 
 
 _window_cache: dict[str, Any] = {}
+on_clear(_window_cache.clear)
 
 
 def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch.device) -> Any:
@@ -492,9 +490,9 @@ def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch
             "position_ids (the window counts positions along each path): pass "
             "position_ids=batch.position_ids to the model call."
         )
-    key = (id(recovered), window, id(position_ids), position_ids._version, device)
+    key = (id(recovered), window, id(position_ids), device)
     hit = _window_cache.get(key)
-    if hit is None or hit.tree is not recovered or hit.position_ids is not position_ids:
+    if hit is None or hit.tree is not recovered or not hit.stamp.matches(position_ids):
         if len(_window_cache) > 8:  # one forward has a window or two; old masks go
             _window_cache.clear()
         hit = _window_cache[key] = _WindowedTree(recovered, window, position_ids)

@@ -1,0 +1,158 @@
+"""Red-team regressions (issue 29): each test failed on the code before its fix.
+
+The per-tensor caches against every write a user can make between two calls (numpy views,
+``.data``, inference mode), packed rows on models without flexpack attention, unclear errors and
+what a new user trips on. Results are pinned against references (numpy twins, float64
+attention); errors against the message a user needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import flexpack
+from flexpack import masks as fm
+from flexpack.testing.references import dense_mask, reference_attention
+
+
+def _qkv(B: int, S: int, H: int = 2, D: int = 8, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, S, D, dtype=torch.float64, generator=g) for _ in range(3))
+
+
+def _twin(d) -> torch.Tensor:
+    """(B, 1, S, S) document-causal mask of ids ``d``, written from the spec."""
+    d = np.asarray(d)
+    S = d.shape[-1]
+    dq, dkv = d[:, :, None], d[:, None, :]
+    out = (dq == dkv) & (dq >= 0) & (np.arange(S)[:, None] >= np.arange(S)[None, :])
+    return torch.from_numpy(out[:, None])
+
+
+def _check(ids: torch.Tensor, want_ids) -> None:
+    """The mask and attention built from ``ids`` now are those of ``want_ids``."""
+    B, S = ids.shape
+    mask = fm.document(ids) & fm.causal()
+    want = _twin(want_ids)
+    assert torch.equal(dense_mask(mask), want)
+    assert torch.equal(dense_mask(mask.block_mask(block_size=2)), want)
+    q, k, v = _qkv(B, S)
+    got = flexpack.attention(q, k, v, mask)
+    torch.testing.assert_close(got, reference_attention(q, k, v, want))
+
+
+# ----------------------------------------------------------------------------- stale caches
+
+FIRST, SECOND = [[0, 0, 0, 0]], [[0, 0, 1, 1]]
+
+
+def test_a_write_through_a_numpy_view_is_seen():
+    # A collate buffer reused through numpy: token 2 attended to document 0.
+    buf = np.array(FIRST)
+    ids = torch.from_numpy(buf)
+    _check(ids, FIRST)
+    buf[:] = SECOND
+    _check(ids, SECOND)
+
+
+def test_a_write_through_dot_data_is_seen():
+    ids = torch.tensor(FIRST)
+    _check(ids, FIRST)
+    ids.data[:, 2:] = 1  # .data has its own version counter: ids._version stays
+    _check(ids, SECOND)
+
+
+def test_dot_data_reassignment_is_seen():
+    ids = torch.tensor(FIRST)
+    _check(ids, FIRST)
+    ids.data = torch.tensor(SECOND)
+    _check(ids, SECOND)
+
+
+def test_block_mask_functions_see_numpy_writes():
+    from flexpack.block_mask import packed_layout
+
+    buf = np.array([[0, 0, 1, 1]])
+    ids = torch.from_numpy(buf)
+    assert packed_layout(ids)
+    buf[:] = [[0, 1, 0, 1]]  # no longer a packed layout: the order facts must be derived again
+    assert not packed_layout(ids)
+
+
+def test_every_mask_builds_and_runs_under_inference_mode():
+    # RuntimeError: Inference tensors do not track version counter.
+    with torch.inference_mode():
+        ids = torch.tensor([[0, 0, 1, 1, -1]])
+        _check(ids, ids.tolist())
+        m = fm.document(ids) & fm.sliding_window(1) | ~fm.padding(ids)
+        assert m.to("meta").doc_ids.device.type == "meta"
+        assert torch.equal(dense_mask(m.block_mask(block_size=2)), dense_mask(m))
+        flexpack.document_causal_mask(ids, block_size=2)
+        ids[0, 1] = 1  # inference tensors can be written in place inside inference mode
+        _check(ids, [[0, 1, 1, 1, -1]])
+
+
+def test_mask_to_sees_a_numpy_write():
+    buf = np.array([[0, 0, 1, 1]])
+    m = fm.document(torch.from_numpy(buf.copy()))
+    src = m.doc_ids
+    moved = m.to("meta")
+    src.data[0, 0] = 5  # the snapshot itself, written without a version bump
+    assert m.to("meta") is not moved
+
+
+def test_clear_caches_forgets_everything():
+    ids = torch.tensor(FIRST)
+    _check(ids, FIRST)
+    flexpack.clear_caches()
+    _check(ids, FIRST)
+
+
+# ----------------------------------------------------------------------------- transformers cache
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import register
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        attn_implementation=register(),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_transformers_position_ids_written_through_numpy_are_seen():
+    model = _tiny_llama()
+    input_ids = torch.arange(1, 9)[None]
+    first, second = np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), np.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+    buf = first.copy()
+    pos = torch.from_numpy(buf)
+    with torch.no_grad():
+        model(input_ids, position_ids=pos)
+        buf[:] = second
+        got = model(input_ids, position_ids=pos).logits
+        want = model(input_ids, position_ids=torch.from_numpy(second.copy())).logits
+        pos.data[:] = torch.from_numpy(first)
+        got_first = model(input_ids, position_ids=pos).logits
+        want_first = model(input_ids, position_ids=torch.from_numpy(first.copy())).logits
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_first, want_first)
+
+
+def test_transformers_forward_and_generate_under_inference_mode():
+    model = _tiny_llama()
+    input_ids = torch.arange(1, 9)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        want = model(input_ids, position_ids=pos).logits
+        want_gen = model.generate(input_ids[:, :3], max_new_tokens=3, do_sample=False)
+    with torch.inference_mode():
+        got = model(input_ids, position_ids=pos).logits
+        got_gen = model.generate(input_ids[:, :3], max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_gen, want_gen)
