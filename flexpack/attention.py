@@ -30,9 +30,11 @@ write SDPA's math out with the cap.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -582,14 +584,21 @@ def attention(
                 )  # fmt: skip
     _check_inputs(q, k, v, enable_gqa)
     for name, value in (("scale", scale), ("softcap", softcap)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise TypeError(f"{name} must be a float or None, got {type(value).__name__}")
+        # numbers.Real takes numpy and Python scalars alike (np.float32(0.5) from a config)
+        if value is not None and (
+            isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real)
+        ):
+            raise TypeError(
+                f"{name} must be a float or None, got {value!r} of type {type(value).__name__}; "
+                f"pass a Python number, e.g. {name}=float(x) for a 0-d tensor."
+            )
     if softcap is not None and not (0 < softcap < float("inf")):
         raise ValueError(
             f"softcap must be a positive finite number (Gemma 2 uses 50.0), got {softcap}; "
             "pass None for no soft-capping"
         )
     softcap = None if softcap is None else float(softcap)
+    scale = None if scale is None else float(scale)
     spec = _mask_spec(mask, q)
     path = _choose_path(q, k, v, spec, backend, softcap)
     B, Hq, S, _ = q.shape

@@ -185,13 +185,22 @@ def _check_pad_id(pad_id: Any) -> int:
             f"pad_id must be an int token id (the id written on padding, e.g. "
             f"tokenizer.pad_token_id or 0); got {pad_id!r} of type {type(pad_id).__name__}"
         )
-    if not -_INT64_MAX - 1 <= int(pad_id) <= _INT64_MAX:
-        raise ValueError(f"pad_id must fit int64; got {pad_id}")
+    if not 0 <= int(pad_id) <= _INT64_MAX:
+        raise ValueError(
+            f"pad_id must be a token id in 0..2**63 - 1 (a vocabulary index, as the CLI's "
+            f"--pad-id); got {pad_id}. Padding is told apart by doc_ids == -1 and labels == -100, "
+            "not by the id written there: pass e.g. tokenizer.pad_token_id or 0."
+        )
     return int(pad_id)
 
 
 def _length_of(item: Any, index: int) -> int:
     ids, _ = _split_item(item)
+    if isinstance(ids, str | bytes):  # len() is its characters: refuse before packing by it
+        raise TypeError(
+            f"sequence {index} is a {type(ids).__name__} ({ids!r:.40}); flexpack packs token ids "
+            "and does not tokenize: pass tokenizer(text)['input_ids'] instead."
+        )
     if isinstance(ids, Tensor | np.ndarray) and ids.ndim != 1:
         raise TypeError(
             f"sequence {index} must be 1-D token ids; got shape {tuple(ids.shape)}. "
@@ -310,6 +319,13 @@ def _assemble(
     from flexpack import _kernels
 
     pad_id = _check_pad_id(pad_id)
+    if flat_ids.size and int(flat_ids.min()) < 0:  # as the CLI refuses them
+        bad = int(flat_ids[np.argmax(flat_ids < 0)])
+        raise ValueError(
+            f"a sample holds token id {bad}; token ids are vocabulary indices, >= 0 (an "
+            "embedding would read a negative id from the end of the table). Map or drop that "
+            "sample; labels may hold -100, input_ids may not."
+        )
     no_labels = np.zeros(0, dtype=np.int64)
     input_ids, labels, doc_ids, position_ids, indices = _kernels.assemble_rows(
         seg,

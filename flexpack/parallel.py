@@ -411,7 +411,17 @@ def shard_context(
         ((12, 12), [[0, 1, 2, 5]])
     """
     if not isinstance(doc_ids, Tensor):
-        doc_ids = torch.as_tensor(np.asarray(doc_ids))
+        try:
+            doc_ids = torch.as_tensor(np.asarray(doc_ids))
+        except (TypeError, ValueError):  # ragged rows: numpy's "inhomogeneous shape"
+            try:
+                got = f"rows of lengths {[len(row) for row in doc_ids]}"
+            except TypeError:
+                got = f"a {type(doc_ids).__name__} that is not a rectangle of ints"
+            raise ValueError(
+                f"doc_ids must be (B, S) or (S,) integers, every row S long; got {got}. Pad "
+                "the shorter rows with -1 (padding) to the longest row's length."
+            ) from None
     if doc_ids.is_floating_point() or doc_ids.is_complex() or doc_ids.dtype == torch.bool:
         raise TypeError(f"doc_ids must be an integer tensor, got {doc_ids.dtype}")
     if doc_ids.dim() == 1:

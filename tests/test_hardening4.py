@@ -156,3 +156,87 @@ def test_transformers_forward_and_generate_under_inference_mode():
         got_gen = model.generate(input_ids[:, :3], max_new_tokens=3, do_sample=False)
     torch.testing.assert_close(got, want)
     assert torch.equal(got_gen, want_gen)
+
+
+# ----------------------------------------------------------------------------- unclear errors
+
+
+def test_shard_context_names_ragged_rows():
+    from flexpack.parallel import shard_context
+
+    with pytest.raises(ValueError, match=r"rows of lengths \[3, 1\].*Pad the shorter rows"):
+        shard_context([[0, 0, 1], [1]], 1, 0)
+
+
+def test_shard_rows_refuses_float_counts():
+    from flexpack.data.dataset import shard_rows
+
+    with pytest.raises(TypeError, match=r"num_tokens must be integers.*float64.*\[1.5, 2.0\]"):
+        shard_rows([1.5, 2], 1)
+    assert shard_rows(np.array([3, 2], dtype=np.uint8), 1).tolist() == [[0, 1]]
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+def test_attention_takes_numpy_scalars(name):
+    q, k, v = _qkv(1, 4)
+    mask = fm.document(torch.tensor([[0, 0, 1, 1]])) & fm.causal()
+    want = flexpack.attention(q, k, v, mask, **{name: 0.5})
+    got = flexpack.attention(q, k, v, mask, **{name: np.float32(0.5)})
+    torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match=rf"{name} must be a float or None, got 'x'"):
+        flexpack.attention(q, k, v, mask, **{name: "x"})
+
+
+def test_pack_sequences_refuses_text_before_reporting_lengths():
+    with pytest.raises(TypeError, match="does not tokenize"):
+        flexpack.pack_sequences(["hello world"], max_len=8)
+
+
+def test_python_api_refuses_negative_token_and_pad_ids_as_the_cli_does():
+    with pytest.raises(ValueError, match="token id -2"):
+        flexpack.pack_sequences([[1, -2, 3]], max_len=8)
+    with pytest.raises(ValueError, match="token id -2"):
+        flexpack.pack_sequences([np.array([1, -2, 3])], max_len=8)
+    with pytest.raises(ValueError, match=r"pad_id must be a token id in 0\.\.2\*\*63 - 1"):
+        flexpack.pack_sequences([[1, 2]], max_len=8, pad_id=-1)
+    labels = flexpack.pack_sequences([{"input_ids": [1, 2], "labels": [-100, 2]}], 4).labels
+    assert labels.tolist() == [[-100, 2, -100, -100]]
+
+
+def test_pack_dataset_of_only_empty_samples_says_so():
+    datasets = pytest.importorskip("datasets")
+    from flexpack.integrations.datasets import pack_dataset
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[], []]})
+    with pytest.raises(ValueError, match="every sample is empty"):
+        pack_dataset(ds, max_len=8)
+
+
+def test_gpt2_dropout_refusal_names_attn_pdrop():
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16, attn_pdrop=0.1,
+        attn_implementation=register(),
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).train()
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    with pytest.raises(ValueError, match=r"set the config's attn_pdrop to 0\.0"):
+        model(**packed_forward_kwargs(batch))
+
+
+def test_gemma3_bidirectional_refusal_names_the_flag_not_a_window():
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        use_bidirectional_attention=True, attn_implementation=register(),
+    )  # fmt: skip
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True") as e:
+        model(**packed_forward_kwargs(batch))
+    assert "(3)" not in str(e.value)

@@ -233,6 +233,13 @@ def _check_list_type(typ: Any, name: str, labels: bool = False) -> None:
                 f"{name} has Arrow type {typ}, expected list<int> (one label per token); pass "
                 "labels_column=None to ignore it, or the name of the per-token labels column."
             )
+        if (pa.types.is_list(typ) or pa.types.is_large_list(typ)) and pa.types.is_null(
+            typ.value_type
+        ):  # [[], [], ...]: Arrow infers list<null> when no sample holds a token
+            raise ValueError(
+                f"{name} has Arrow type {typ}: every sample is empty (no token in any of them), "
+                "so there is nothing to pack; check that tokenization wrote this column."
+            )
         raise TypeError(
             f"{name} has Arrow type {typ}, expected list<int> (token ids); tokenize it first."
         )

@@ -87,7 +87,7 @@ def shard_rows(
     for name, value in (("seed", seed), ("epoch", epoch)):  # numpy's message names neither
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
             raise ValueError(f"{name} must be an int >= 0, got {value!r}; pass e.g. {name}=0.")
-    tokens = _row_cost(np.asarray(num_tokens, dtype=np.int64).reshape(-1), cost, sum_sq, flops)
+    tokens = _row_cost(_token_counts(num_tokens), cost, sum_sq, flops)
     n = len(tokens)
     rng = np.random.default_rng([int(seed), int(epoch)])
     order = rng.permutation(n) if shuffle else np.arange(n)
@@ -146,6 +146,26 @@ def flops_weights(*, params: float, layers: int, hidden: int) -> tuple[float, fl
         if isinstance(value, bool) or not isinstance(value, (int, float, np.integer)) or value <= 0:
             raise ValueError(f"{name} must be a positive number, got {value!r}")
     return 6.0 * float(params), 6.0 * float(layers) * float(hidden)
+
+
+def _token_counts(num_tokens: Any) -> np.ndarray:
+    """(R,) int64 real tokens per row; floats are refused, not rounded (1.5 is not a count)."""
+    if isinstance(num_tokens, torch.Tensor):
+        num_tokens = num_tokens.detach().cpu().numpy()
+    try:
+        arr = np.asarray(num_tokens)
+    except (TypeError, ValueError) as e:
+        raise TypeError(
+            f"num_tokens must be a 1-D array-like of ints (real tokens per row); got "
+            f"{type(num_tokens).__name__} ({e})"
+        ) from None
+    if arr.size and (arr.dtype.kind not in "iu" or arr.dtype == np.bool_):
+        raise TypeError(
+            f"num_tokens must be integers (real tokens per row); got dtype {arr.dtype} (first "
+            f"values {arr.reshape(-1)[:3].tolist()}). Pass e.g. "
+            "[int((row.doc_ids >= 0).sum()) for row in rows], or dataset.num_tokens."
+        )
+    return arr.astype(np.int64).reshape(-1)
 
 
 def _row_cost(tokens: np.ndarray, cost: str, sum_sq: Any, flops: Any) -> np.ndarray:

@@ -238,7 +238,7 @@ def flexpack_attention_forward(
     if dropout and module.training:
         raise ValueError(
             f"flexpack attention has no dropout, got dropout={dropout}; set the config's "
-            "attention_dropout to 0.0 (or call model.eval())."
+            f"{_dropout_field(module, dropout)} to 0.0 (or call model.eval())."
         )
     for unsupported in ("s_aux", "position_bias"):
         if kwargs.get(unsupported) is not None:
@@ -250,6 +250,16 @@ def flexpack_attention_forward(
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     window = kwargs.get("sliding_window")
+    config = getattr(module, "config", None)
+    if window is not None and not is_causal and getattr(config, "use_bidirectional_attention", 0):
+        # transformers derives this window from the config's (sliding_window // 2 + 1 for
+        # Gemma 3), so the number would match nothing the user set: name the flag instead
+        raise ValueError(
+            f"this {type(module).__name__} runs bidirectional sliding-window attention "
+            "(the config has use_bidirectional_attention=True), which flexpack does not "
+            "support: only causal sliding windows are. Load the model with "
+            "use_bidirectional_attention=False, or with attn_implementation='sdpa'."
+        )
     softcap = kwargs.get("softcap")
     mask = kwargs.get("flexpack_mask")  # a prebuilt mask (e.g. a TreeBatch's) wins
     cached = key.shape[2] != S or (isinstance(attention_mask, Tensor) and attention_mask.dim() == 4)
@@ -293,6 +303,23 @@ def flexpack_attention_forward(
         softcap=softcap, backend=backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+
+
+_DROPOUT_FIELDS = (
+    "attention_dropout",
+    "attn_pdrop",
+    "attention_probs_dropout_prob",
+    "attn_dropout",
+)
+
+
+def _dropout_field(module: Any, dropout: float) -> str:
+    """The config field that holds this module's attention dropout (GPT-2: attn_pdrop)."""
+    config = getattr(module, "config", None)
+    for name in _DROPOUT_FIELDS:
+        if getattr(config, name, None) == dropout:
+            return name
+    return next((n for n in _DROPOUT_FIELDS if hasattr(config, n)), "attention dropout")
 
 
 def _mask_for(
