@@ -2,7 +2,10 @@
 
 Compilation is lazy and cached (nothing compiles at import). Shapes are fixed
 (``dynamic=False``): a new (B, H, S, D) compiles once more, a new document layout, window or
-softcap at the same shape does not (they are tensors the mask reads). Every configuration
+softcap at the same shape does not (they are tensors the mask reads). ``flexpack.attention``
+pads B and S of a flexpack Mask's call to bucket sizes (:func:`flex_batch_rows`,
+``flexpack.attention.flex_row_length``), so any batch shape compiles one graph per bucket, each
+in a wrapper of its own. Every configuration
 (device, dtype, grad or not, scale, GQA, softcap, block size) gets its own compiled wrapper with
 its own dynamo cache (``_compat.compile_isolated``: ``isolate_recompiles`` where torch has it, a
 fresh code object on torch 2.11 and 2.12), so ``torch._dynamo.config.recompile_limit`` counts
@@ -52,6 +55,26 @@ MIN_CUDA_FLEX_HEAD_DIM = 16
 CUDA_BLOCK_MULTIPLE = 128
 # FlashAttention's varlen kernel: head dim a multiple of 8, at most 256.
 VARLEN_MAX_HEAD_DIM = 256
+
+
+def flex_batch_rows(B: int) -> int:
+    """The row count the flex path compiles for a batch of B rows: the next power of two.
+
+    ``flexpack.attention`` given a flexpack Mask pads the batch with rows of padding (q, k, v
+    zero; the mask's ids -1, so every block of those rows is empty and flex skips it) and drops
+    their outputs: a training loop whose row count varies (GRPO trees packed by
+    ``flexpack.trees.pack_padded``, dynamic batching, a last short batch) compiles one graph per
+    bucket, at most ``log2(B_max) + 1``. Shapes stay static (``dynamic=False``): no symbolic
+    shapes reach inductor's flex templates.
+
+    Example:
+        >>> [flex_batch_rows(B) for B in (1, 2, 3, 5, 8, 9)]
+        [1, 2, 4, 8, 8, 16]
+    """
+    bucket = 1
+    while bucket < B:
+        bucket *= 2
+    return bucket
 
 
 @functools.cache
@@ -106,8 +129,9 @@ _QKV = ("query", "key", "value")
 _DIMS = {
     "0": (
         "The number of rows B changed",
-        "keep the rows per batch fixed (pad the batch with all-padding rows, doc ids -1), "
-        "or group batches by row count",
+        "pass flexpack.attention a flexpack Mask (it pads B and S to bucket sizes), keep "
+        "the rows per batch fixed (pad the batch with all-padding rows, doc ids -1), or group "
+        "batches by row count",
     ),
     "1": ("The number of heads changed", "keep the head count fixed"),
     "2": (
@@ -200,10 +224,15 @@ def flex(
     scale: float | None,
     enable_gqa: bool,
     softcap: float | None = None,
+    bucket: tuple[int, int] | None = None,
 ) -> Tensor:
     """Compiled flex_attention; raises :class:`RecompileLimitError` instead of an eager fallback.
 
-    Head dims below 16 on CUDA run zero-padded to 16 (see the module docstring).
+    Head dims below 16 on CUDA run zero-padded to 16 (see the module docstring). ``bucket``
+    (rows, length) is the bucket shape of a call padded by ``flexpack.attention``: each bucket
+    gets a compiled wrapper (and recompile count) of its own. None for shapes the caller chose
+    (a BlockMask it passed): those count against the limit of one wrapper, so a loop that feeds
+    a new shape every step is told to bucket instead of compiling without end.
     """
     D = q.shape[-1]
     padded = flex_head_dim(q.device, D)
@@ -219,6 +248,7 @@ def flex(
         enable_gqa,
         softcap is not None,
         tuple(block_mask.BLOCK_SIZE),
+        bucket,
     )
     fn = compiled_flex_attention(config)
     score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)

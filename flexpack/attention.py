@@ -426,8 +426,11 @@ def flex_row_length(S: int) -> int:
     the tail as padding (no query attends to it; its own outputs are dropped) and compiles one
     graph per bucket, so rows of varying length (``DataCollatorWithFlattening``, a last short
     batch) compile at most log2(S_max / 64) graphs instead of one per length. Padded blocks are
-    empty, so flex skips them; the cost is the copy of q, k, v into the padded length. A
-    BlockMask you pass runs at its own length.
+    empty, so flex skips them; the cost is the copy of q, k, v into the padded length. The
+    row count is bucketed the same way (:func:`flexpack._attention_flex.flex_batch_rows`), and
+    each (rows, length) bucket gets a compiled wrapper of its own, so batches of any shape
+    compile one graph per bucket and never reach dynamo's recompile limit. A BlockMask you pass
+    runs at its own shape.
 
     Example:
         >>> [flex_row_length(S) for S in (1, 128, 129, 1000, 4096)]
@@ -440,7 +443,7 @@ def flex_row_length(S: int) -> int:
 
 
 # Padded copies of flexpack Masks for the flex path's bucket lengths, as _BLOCK_MASKS:
-# (id of the mask_mod, S_flex) -> (mask_mod, tensor versions, padded Mask).
+# (id of the mask_mod, B, B_flex, S_flex) -> (mask_mod, tensor stamps, padded Mask).
 _PADDED: dict[tuple, tuple[Any, tuple, Any]] = {}
 on_clear(_PADDED.clear)
 
@@ -459,18 +462,30 @@ def _excludes_padding(mask: Any) -> bool:
 _PADDED_TENSORS: PerTensor[Tensor] = PerTensor(16)
 
 
-def _padded_tensor(t: Tensor, n: int) -> Tensor:
-    """``t`` with n more columns: -1 for ids and tree ends, False for prefix flags."""
+def _padded_tensor(t: Tensor, n: int, B: int, B_flex: int) -> Tensor:
+    """``t`` with n more columns and, when ``B_flex > B``, its rows first expanded to B (a
+    one-row mask serves every row) and then ``B_flex - B`` more: -1 for ids and tree ends,
+    False for prefix flags (padding rows attend nothing, so flex skips their blocks)."""
     # (B, S) doc / segment ids and prefix flags; (B, S + 1) tree ends: -1 / False
     value = False if t.dtype == torch.bool else -1
-    return _PADDED_TENSORS.get(t, lambda: F.pad(t, (0, n), value=value), n)
+
+    def build() -> Tensor:
+        if B_flex == B:
+            return F.pad(t, (0, n), value=value)
+        rows = t.expand(B, t.shape[1]) if t.shape[0] == 1 else t
+        return F.pad(rows, (0, n, 0, B_flex - B), value=value)
+
+    return _PADDED_TENSORS.get(t, build, (n, B, B_flex))
 
 
-def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -> _MaskSpec:
-    """The spec of ``mask`` padded from S to S_flex tokens: same pairs on the first S tokens,
-    and nothing attends to the tail or from it (built once per mask and bucket)."""
+def _padded_spec(
+    mask: _masks.Mask, B: int, S: int, B_flex: int, S_flex: int, device: torch.device
+) -> _MaskSpec:
+    """The spec of ``mask`` padded from (B, S) to (B_flex, S_flex): same pairs on the first S
+    tokens of the first B rows, and nothing attends to the tail or the padding rows or from them
+    (built once per mask and bucket)."""
     tensors = _mask_tensors(mask)
-    key = (id(mask.mask_mod), S_flex)
+    key = (id(mask.mask_mod), B, B_flex, S_flex)
     hit = _PADDED.get(key)
     if hit is not None and hit[0] is mask.mask_mod and all_match(hit[1], tensors):
         padded = hit[2]
@@ -478,14 +493,17 @@ def _padded_spec(mask: _masks.Mask, S: int, S_flex: int, device: torch.device) -
         n = S_flex - S
 
         def pad(t: Tensor | None) -> Tensor | None:
-            if t is None or t.dim() == 0 or n == 0:
+            if t is None or t.dim() == 0 or (n == 0 and B_flex == B):
                 return t  # a window limit
-            return _padded_tensor(t, n)
+            return _padded_tensor(t, n, B, B_flex)
 
         doc_ids = mask.doc_ids
-        rows = 1 if doc_ids is None else doc_ids.shape[0]
+        rows = B_flex  # every table is padded to B_flex rows, unless no row is added:
+        if B_flex == B:
+            rows = 1 if doc_ids is None else doc_ids.shape[0]
         tail = torch.zeros(rows, S_flex, dtype=torch.int32, device=device)
         tail[:, S:] = -1  # a fill on the device: no host-to-device copy
+        tail[B:] = -1  # padding rows (B_flex > B)
         padded = mask._rebuilt(pad)
         if not _excludes_padding(padded):
             padded = padded & _masks.padding(tail)
@@ -610,21 +628,25 @@ def attention(
             # flex_attention rejects CPU inputs that require grad even under no_grad, where no
             # graph is recorded anyway.
             q, k, v = q.detach(), k.detach(), v.detach()
-        S_flex = S
+        B_flex, S_flex, bucket = B, S, None
         if spec.block_mask is None and isinstance(spec.mask, _masks.Mask):
-            # Rows padded to the bucket length (the tail masked as padding): one compiled graph
-            # per bucket instead of one per S. Masks that need a padding factor for the tail
+            # Rows padded to the bucket length (the tail masked as padding) and the batch to a
+            # bucket row count (padding rows attend nothing): one compiled graph per (B, S)
+            # bucket instead of one per shape. Masks that need a padding factor for the tail
             # get it at every S, so that a row of exactly a bucket length runs the same graph.
-            S_flex = flex_row_length(S)
-            if S_flex != S or not _excludes_padding(spec.mask):
-                spec = _padded_spec(spec.mask, S, S_flex, q.device)
-            if S_flex != S:
-                q, k, v = (F.pad(x, (0, 0, 0, S_flex - S)) for x in (q, k, v))
+            B_flex, S_flex = _attention_flex.flex_batch_rows(B), flex_row_length(S)
+            bucket = (B_flex, S_flex)
+            if (B_flex, S_flex) != (B, S) or not _excludes_padding(spec.mask):
+                spec = _padded_spec(spec.mask, B, S, B_flex, S_flex, q.device)
+            if (B_flex, S_flex) != (B, S):
+                pad = (0, 0, 0, S_flex - S, 0, 0, 0, B_flex - B)
+                q, k, v = (F.pad(x, pad) for x in (q, k, v))
         block_mask = _flex_block_mask(spec, S_flex, q.device)
         out = _attention_flex.flex(
-            q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap
-        )
-        return out if S_flex == S else out[:, :, :S]
+            q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+            bucket=bucket,
+        )  # fmt: skip
+        return out if (B_flex, S_flex) == (B, S) else out[:B, :, :S]
     causal = spec.kind == "document_causal"
     if path == "varlen":
         # The mask's own doc_ids tensor (not a view): its grouping is cached across layers.

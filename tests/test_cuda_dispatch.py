@@ -7,6 +7,7 @@ Compiles use dynamo's ``CompileCounter`` backend (no inductor), so they take mil
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from types import SimpleNamespace
@@ -571,3 +572,109 @@ def test_float64_and_wide_heads_on_cuda_leave_flex():
         assert _choose_path(q, q, q, spec, "auto") == "sdpa_dense"
         with pytest.raises(ValueError, match="backend='flex' cannot run"):
             _choose_path(q, q, q, spec, "flex")
+
+
+# ----------------------------------------------------------------------------- (B, S) buckets
+
+
+def _random_shapes(n: int, seed: int, max_rows: int = 6, max_len: int = 256):
+    g = torch.Generator().manual_seed(seed)
+    B = torch.randint(1, max_rows + 1, (n,), generator=g).tolist()
+    S = torch.randint(20, max_len + 1, (n,), generator=g).tolist()
+    return list(zip(B, S, strict=True))
+
+
+def _buckets(shapes) -> set[tuple[int, int]]:
+    from flexpack.attention import flex_row_length
+
+    return {(_attention_flex.flex_batch_rows(B), flex_row_length(S)) for B, S in shapes}
+
+
+def test_random_batch_shapes_compile_one_graph_per_bucket(counted_flex):
+    # Rows and lengths both vary (dynamic batching, a last short batch): one graph per (B, S)
+    # bucket, each in a wrapper of its own, so a limit of 1 recompile is never reached.
+    import flexpack
+
+    shapes = _random_shapes(20, seed=0)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for i, (B, S) in enumerate(shapes):
+            d = torch.randint(0, 4, (B, S), generator=g).sort(dim=1).values
+            d[:, S - S // 5 :] = -1
+            m = masks.document(d) & masks.causal()
+            q, k, v = (torch.randn(B, 2, S, 16, generator=g) for _ in range(3))
+            out = flexpack.attention(q, k, v, m, backend="flex")
+            assert out.shape == q.shape
+            if i < 3:
+                ref = references.reference_attention(q, k, v, references.dense_mask(m))
+                torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=1e-4)
+    assert counted_flex.frame_count == len(_buckets(shapes)) < len(set(shapes))
+
+
+def test_one_row_masks_padded_to_a_bucket_of_rows_stay_exact(counted_flex):
+    # A mask of one row (or none) broadcast over B rows: the padding rows get ids -1 (their
+    # blocks are empty); the real rows see exactly the mask.
+    import flexpack
+
+    torch.manual_seed(0)
+    d = torch.tensor([[0] * 40 + [1] * 50 + [-1] * 10])
+    cases = [
+        masks.document(d) & masks.causal() & masks.sliding_window(7),
+        masks.causal() & masks.sliding_window(5),
+        masks.prefix_lm(d, torch.tensor([[10, 20]])),
+    ]
+    with torch.no_grad():
+        for m in cases:
+            q, k, v = (torch.randn(3, 2, 100, 16) for _ in range(3))
+            out = flexpack.attention(q, k, v, m, backend="flex")
+            ref = references.reference_attention(q, k, v, references.dense_mask(m, 3, 1, 100, 100))
+            torch.testing.assert_close(out, ref.float(), atol=2e-5, rtol=1e-4)
+
+
+def test_rl_trees_with_a_varying_row_count_never_reach_the_recompile_limit(counted_flex):
+    # GRPO: pack_padded sizes rows by the largest tree, so rows and length change every step.
+    from flexpack.models import GPT, GPTConfig
+    from flexpack.trees import pack_padded
+
+    g = torch.Generator().manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, attn_backend="flex")
+    model, twin = GPT(cfg).eval(), GPT(dataclasses.replace(cfg, attn_backend="sdpa")).eval()
+    twin.load_state_dict(model.state_dict())
+    shapes = []
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for step in range(20):
+            prompts, gens = int(torch.randint(1, 5, (1,), generator=g)), 2
+            P, C = int(torch.randint(4, 30, (1,), generator=g)), 20
+            prompt = torch.randint(1, 256, (prompts, P), generator=g).repeat_interleave(gens, 0)
+            pmask = torch.ones_like(prompt)
+            pmask[:, : int(torch.randint(0, P // 2, (1,), generator=g))] = 0  # left padding
+            comp = torch.randint(1, 256, (prompts * gens, C), generator=g)
+            lens = torch.randint(1, C + 1, (prompts * gens, 1), generator=g)
+            cmask = (torch.arange(C)[None] < lens).long()
+            trees = pack_padded(prompt, pmask, comp, cmask)
+            tb = trees.batch
+            logits = model(tb.input_ids, position_ids=tb.position_ids, mask=tb.mask())
+            assert logits.shape[:2] == tb.input_ids.shape
+            shapes.append(tuple(tb.input_ids.shape))
+            if step < 2:  # the rollouts' logits equal the per-segment SDPA path's
+                want = twin(tb.input_ids, position_ids=tb.position_ids, mask=tb.mask())
+                keep = tb.segment_ids >= 0
+                torch.testing.assert_close(logits[keep], want[keep], atol=1e-4, rtol=1e-4)
+    assert len({B for B, _ in shapes}) > 1 and len(set(shapes)) > len(_buckets(shapes))
+    # Two layers share each bucket's graph; each bucket compiles once.
+    assert counted_flex.frame_count == len(_buckets(shapes))
+
+
+def test_gpt_flex_path_with_dynamic_batching_compiles_per_bucket(counted_flex):
+    from flexpack.models import GPT, GPTConfig
+
+    g = torch.Generator().manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_kv_head=1, n_embd=32, attn_backend="flex"))
+    model.eval()
+    shapes = _random_shapes(20, seed=3)
+    with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=1):
+        for B, S in shapes:
+            ids = torch.randint(0, 256, (B, S), generator=g)
+            doc_ids = (torch.arange(S) * 3 // S).expand(B, S).contiguous()
+            model(ids, doc_ids=doc_ids)
+    assert counted_flex.frame_count == len(_buckets(shapes))

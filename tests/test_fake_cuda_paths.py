@@ -318,9 +318,41 @@ def test_variable_row_lengths_pad_to_buckets_on_cuda(fake_cuda, kernels):
         assert out.shape == q.shape
     from flexpack.attention import flex_row_length
 
-    assert len({c.info["config"] for c in kernels.calls}) == 1  # one compiled wrapper
     shapes = {c.info["S"] for c in kernels.calls}  # the shapes it compiles for
     assert shapes == {flex_row_length(S) for S in lengths} == {128, 256, 512, 1024}
+    # One compiled wrapper per bucket (its own recompile count), one bucket per wrapper.
+    assert len({c.info["config"] for c in kernels.calls}) == len(shapes)
+    assert {c.info["config"][-1] for c in kernels.calls} == {(1, S) for S in shapes}
+
+
+def test_random_batch_shapes_reach_flex_in_buckets_on_cuda(fake_cuda, kernels):
+    # Rows and lengths both vary: flex sees bucket shapes only, exact on the real rows.
+    from flexpack.attention import flex_row_length
+
+    g = torch.Generator().manual_seed(0)
+    rows, lengths = (
+        torch.randint(1, 7, (20,), generator=g),
+        torch.randint(30, 250, (20,), generator=g),
+    )
+    shapes = list(zip(rows.tolist(), lengths.tolist(), strict=True))
+    for i, (B, S) in enumerate(shapes):
+        d = torch.randint(0, 3, (B, S), generator=g).sort(dim=1).values
+        d[:, S - S // 4 :] = -1
+        m = masks.document(fake_cuda.to(d)) & masks.causal() & masks.sliding_window(16)
+        qc = torch.randn(B, 1, S, 16, generator=g).to(torch.bfloat16)
+        q = fake_cuda.to(qc)
+        with fake_cuda.count() as syncs:
+            out = flexpack.attention(q, q, q, m)
+        assert len(syncs) <= 1, syncs
+        assert is_fake_cuda(out) and out.shape == q.shape
+        if i < 3:
+            cpu = masks.document(d) & masks.causal() & masks.sliding_window(16)
+            ref = references.reference_attention(qc, qc, qc, references.dense_mask(cpu))
+            torch.testing.assert_close(to_cpu(out).double(), ref.double(), atol=2e-2, rtol=2e-2)
+    want = {(_attention_flex.flex_batch_rows(B), flex_row_length(S)) for B, S in shapes}
+    seen = {c.info["config"][-1] for c in kernels.calls}
+    assert seen == want and len(want) < len(set(shapes))
+    assert all(c.info["config"][-1][1] == c.info["S"] for c in kernels.calls)
 
 
 # ----------------------------------------------------------------------------- models
