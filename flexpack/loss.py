@@ -162,10 +162,11 @@ def packed_cross_entropy(
 # --------------------------------------------------------------- from hidden states: chunked
 
 # A chunk's logits hold about as many elements as the hidden states (torch's "aspect ratio" rule
-# for F.linear_cross_entropy), at least 2**20 (4 MiB in float32: matmuls big enough to run at
-# speed) and at most 2**26 (256 MiB): a few such buffers live at a time, a small fraction of the
-# (N, V) logits whenever V is much larger than C.
+# for F.linear_cross_entropy), at least 2**20 (4 MiB in float32) and 32 rows (kernels big enough
+# to run at speed: each chunk costs a dozen kernel launches) and at most 2**26 elements (256 MiB):
+# a few such buffers live at a time, a small fraction of the (N, V) logits whenever V >> C.
 _CHUNK_MIN_ELEMENTS = 2**20
+_CHUNK_MIN_ROWS = 32
 _CHUNK_MAX_ELEMENTS = 2**26
 
 
@@ -173,14 +174,15 @@ def default_chunk_size(tokens: int, hidden_size: int, vocab_size: int) -> int:
     """Tokens per chunk of :func:`packed_linear_cross_entropy` when ``chunk_size`` is None.
 
     A chunk's (chunk, V) logits hold about as many elements as the (tokens, C) hidden states,
-    clamped to [2**20, 2**26] elements (4-256 MiB in float32), and never more than ``tokens``.
+    clamped to [2**20, 2**26] elements (4-256 MiB in float32), at least 32 rows, and never more
+    than ``tokens``.
 
     Example:
         >>> default_chunk_size(8192, 512, 32768)  # 4M hidden elements: 128 rows of 32K logits
         128
     """
     budget = min(max(tokens * hidden_size, _CHUNK_MIN_ELEMENTS), _CHUNK_MAX_ELEMENTS)
-    return max(1, min(tokens, budget // max(vocab_size, 1)))
+    return max(1, min(tokens, max(budget // max(vocab_size, 1), _CHUNK_MIN_ROWS)))
 
 
 def _torch_fused(device: torch.device, compute_dtype: torch.dtype, softcap: float | None) -> bool:
