@@ -27,9 +27,11 @@ import flexpack  # noqa: E402
 from flexpack.integrations.litgpt import (  # noqa: E402
     PackedDataModule,
     PackedGPT,
+    PackedGPTLoss,
     lr_schedule,
     main,
     packed_forward,
+    packed_loss,
 )
 from flexpack.testing.litgpt import BYTE_VOCAB_SIZE, tiny_checkpoint  # noqa: E402
 
@@ -761,3 +763,28 @@ def test_finetune_max_len_above_block_size_says_it_is_fine_and_is(tmp_path, caps
         count += int((target != -100).sum())
     assert longest == block and int((d >= 0).sum()) > block  # truncated docs, a row past block
     assert count > 0 and abs(logged - float(total / count)) < 1e-4
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+@pytest.mark.parametrize("reduction", ["token", "document"])
+def test_packed_loss_equals_the_logits_path(kind, reduction):
+    # The chunked head (final softcapping on Gemma 2, bias where the config has one): the loss
+    # and every parameter's gradient of packed_cross_entropy(packed_forward(...)).
+    model = make_model(kind, seed=2)
+    batch = packed_docs([9, 5, 12, 6, 8], max_len=20, seed=2)
+    labels = batch.labels.clone()
+    labels[:, :3] = -100  # a prompt
+    params = [p for p in model.parameters() if p.requires_grad]
+    got = packed_loss(model, batch.input_ids, labels, batch.doc_ids, reduction=reduction)
+    want = flexpack.packed_cross_entropy(
+        packed_forward(model, batch.input_ids, batch.doc_ids), labels, batch.doc_ids,
+        reduction=reduction,
+    )  # fmt: skip
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(got, params, allow_unused=True, materialize_grads=True),
+                    torch.autograd.grad(want, params, allow_unused=True, materialize_grads=True),
+                    strict=True):  # fmt: skip
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    module = PackedGPTLoss(model, reduction=reduction)
+    again = module(batch.input_ids, batch.doc_ids, None, labels)
+    torch.testing.assert_close(again, got)

@@ -51,7 +51,15 @@ from flexpack import masks as _masks
 from flexpack.attention import attention
 from flexpack.models.gpt import _positions_in_documents
 
-__all__ = ["PackedDataModule", "PackedGPT", "lr_schedule", "main", "packed_forward"]
+__all__ = [
+    "PackedDataModule",
+    "PackedGPT",
+    "PackedGPTLoss",
+    "lr_schedule",
+    "main",
+    "packed_forward",
+    "packed_loss",
+]
 
 
 def _import_litgpt():
@@ -215,9 +223,66 @@ def packed_forward(
             torch.allclose(logits[0, 3:5], alone[0], atol=1e-5)
             # -> True
     """
-    _check_inputs(model, input_ids, doc_ids, position_ids)
     from litgpt.model import do_softcapping
 
+    x = _packed_hidden(model, input_ids, doc_ids, position_ids, backend)
+    logits = model.lm_head(x)  # (B, S, V)
+    if model.config.final_logit_softcapping is not None:
+        logits = do_softcapping(logits, model.config.final_logit_softcapping)
+    return logits
+
+
+def packed_loss(
+    model: nn.Module,
+    input_ids: Tensor,
+    labels: Tensor,
+    doc_ids: Tensor,
+    *,
+    position_ids: Tensor | None = None,
+    backend: str = "auto",
+    reduction: str = "token",
+    chunk_size: int | None = None,
+) -> Tensor:
+    """The packed loss of a ``litgpt.GPT`` on packed rows, without the (B, S, V) logits.
+
+    Equal to ``flexpack.packed_cross_entropy(packed_forward(model, input_ids, doc_ids, ...),
+    labels, doc_ids, reduction=reduction)`` in value and gradients: the same forward up to the
+    final norm, then :func:`flexpack.packed_linear_cross_entropy` with ``model.lm_head`` and the
+    config's ``final_logit_softcapping``, chunk by chunk.
+
+    Args:
+        model, input_ids, doc_ids, position_ids, backend: as in :func:`packed_forward`.
+        labels: (B, S) int64, unshifted; -100 marks positions without a target.
+        reduction: "token" or "document", as in :func:`flexpack.packed_cross_entropy`.
+        chunk_size: tokens per chunk of the head; None picks one from the shapes.
+
+    Returns:
+        0-d float32 tensor.
+
+    Example (needs litgpt; tests/test_integrations_litgpt.py checks it)::
+
+            loss = packed_loss(model, batch.input_ids, batch.labels, batch.doc_ids)
+            loss.backward()
+    """
+    from flexpack.loss import packed_linear_cross_entropy
+
+    x = _packed_hidden(model, input_ids, doc_ids, position_ids, backend)
+    head = model.lm_head
+    return packed_linear_cross_entropy(
+        x, head.weight, labels, doc_ids, reduction=reduction, bias=head.bias,
+        softcap=model.config.final_logit_softcapping, chunk_size=chunk_size,
+    )  # fmt: skip
+
+
+def _packed_hidden(
+    model: nn.Module,
+    input_ids: Tensor,
+    doc_ids: Tensor,
+    position_ids: Tensor | None,
+    backend: str,
+) -> Tensor:
+    """(B, S, C): ``packed_forward`` up to and including the final norm ``ln_f``."""
+    _check_inputs(model, input_ids, doc_ids, position_ids)
     cfg = model.config
     S = input_ids.shape[1]
     n_cached = model.cos.size(0)
@@ -259,11 +324,7 @@ def packed_forward(
             x = h + x
             x_normed = block.norm_2(x)
         x = block.post_mlp_norm(block.mlp(x_normed)) + x
-    x = model.transformer.ln_f(x)
-    logits = model.lm_head(x)  # (B, S, V)
-    if cfg.final_logit_softcapping is not None:
-        logits = do_softcapping(logits, cfg.final_logit_softcapping)
-    return logits
+    return model.transformer.ln_f(x)
 
 
 class PackedGPT(nn.Module):
@@ -295,6 +356,45 @@ class PackedGPT(nn.Module):
         return packed_forward(
             self.model, input_ids, doc_ids, position_ids=position_ids, backend=self.backend
         )
+
+
+class PackedGPTLoss(PackedGPT):
+    """A ``litgpt.GPT`` whose ``forward`` is :func:`packed_loss`, for Fabric/DDP.
+
+    As :class:`PackedGPT`, but the forward takes the labels too and returns the packed loss,
+    never the (B, S, V) logits: the head runs chunk by chunk inside the loss.
+
+    Args:
+        model: a ``litgpt.GPT``.
+        backend: passed to :func:`flexpack.attention`.
+        reduction: "token" or "document".
+        chunk_size: tokens per chunk of the head; None picks one from the shapes.
+
+    Example (inside a Fabric script; see docs/litgpt.md)::
+
+            packed = fabric.setup(PackedGPTLoss(model))
+            loss = packed(batch["input_ids"], batch["doc_ids"], batch["position_ids"],
+                          batch["labels"])
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        backend: str = "auto",
+        reduction: str = "token",
+        chunk_size: int | None = None,
+    ) -> None:
+        super().__init__(model, backend=backend)
+        self.reduction, self.chunk_size = reduction, chunk_size
+
+    def forward(  # type: ignore[override]
+        self, input_ids: Tensor, doc_ids: Tensor, position_ids: Tensor | None, labels: Tensor
+    ) -> Tensor:
+        return packed_loss(
+            self.model, input_ids, labels, doc_ids, position_ids=position_ids,
+            backend=self.backend, reduction=self.reduction, chunk_size=self.chunk_size,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -667,6 +767,14 @@ def _parser() -> argparse.ArgumentParser:
         default="token",
         help="packed_cross_entropy reduction (token: mean over all supervised tokens)",
     )
+    p.add_argument(
+        "--train.chunked_loss",
+        dest="chunked_loss",
+        type=_bool,
+        default=True,
+        help="compute the loss from the hidden states chunk by chunk (never the whole logits); "
+        "false: the logits, then packed_cross_entropy",
+    )
     p.add_argument("--optimizer.lr", dest="lr", type=float, default=2e-5)
     p.add_argument("--optimizer.weight_decay", dest="weight_decay", type=float, default=0.02)
     p.add_argument("--eval.final_validation", dest="final_validation", type=_bool, default=True)
@@ -718,17 +826,22 @@ def _prepare(data: Any, args: argparse.Namespace) -> None:
         ) from e
 
 
-def _validate(fabric: Any, packed: nn.Module, loader: Any, reduction: str) -> float:
+def _validate(
+    fabric: Any, packed: nn.Module, loader: Any, reduction: str, chunked: bool = False
+) -> float:
     from flexpack.loss import packed_cross_entropy
 
     packed.eval()
     total, count = torch.zeros((), device=fabric.device), torch.zeros((), device=fabric.device)
     with torch.no_grad():
         for batch in loader:
-            logits = packed(batch["input_ids"], batch["doc_ids"], batch["position_ids"])
-            loss = packed_cross_entropy(
-                logits, batch["labels"], batch["doc_ids"], reduction=reduction
-            )
+            ids, docs, pos = batch["input_ids"], batch["doc_ids"], batch["position_ids"]
+            if chunked:  # a PackedGPTLoss
+                loss = packed(ids, docs, pos, batch["labels"])
+            else:
+                loss = packed_cross_entropy(
+                    packed(ids, docs, pos), batch["labels"], docs, reduction=reduction
+                )
             total += loss.float()
             count += 1
     packed.train()
@@ -815,7 +928,8 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
         model = GPT(config)
     model.max_seq_length = min(max_len, config.block_size)
     lit_load_checkpoint(fabric, model, checkpoint_dir / "lit_model.pth")
-    packed = fabric.setup(PackedGPT(model))
+    wrapper = PackedGPTLoss(model, reduction=args.loss) if args.chunked_loss else PackedGPT(model)
+    packed = fabric.setup(wrapper)
     optimizer = torch.optim.AdamW(packed.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     optimizer = fabric.setup_optimizers(optimizer)
 
@@ -852,10 +966,13 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
             t0 = time.perf_counter()
             accumulating = iteration % accum != 0
             with fabric.no_backward_sync(packed, enabled=accumulating):
-                logits = packed(batch["input_ids"], batch["doc_ids"], batch["position_ids"])
-                loss = packed_cross_entropy(
-                    logits, batch["labels"], batch["doc_ids"], reduction=args.loss
-                )
+                ids, docs, pos = batch["input_ids"], batch["doc_ids"], batch["position_ids"]
+                if args.chunked_loss:  # PackedGPTLoss: the loss without the (B, S, V) logits
+                    loss = packed(ids, docs, pos, batch["labels"])
+                else:
+                    loss = packed_cross_entropy(
+                        packed(ids, docs, pos), batch["labels"], docs, reduction=args.loss
+                    )
                 fabric.backward(loss / accum)
             if not accumulating:
                 if args.max_norm is not None:
@@ -898,7 +1015,7 @@ def finetune(args: argparse.Namespace) -> dict[str, Any]:
     )
     if args.final_validation and len(data.val_dataloader()):
         val_loader = fabric.setup_dataloaders(data.val_dataloader(), use_distributed_sampler=False)
-        val_loss = _validate(fabric, packed, val_loader, args.loss)
+        val_loss = _validate(fabric, packed, val_loader, args.loss, args.chunked_loss)
         metrics = {**metrics, "val_loss": val_loss}
         fabric.log_dict({"val_loss": val_loss}, step=iteration)
         fabric.print(

@@ -41,6 +41,7 @@ __all__ = [
     "collate_multimodal",
     "flexpack_attention_forward",
     "pack_multimodal",
+    "packed_causal_lm_loss",
     "packed_forward_kwargs",
     "register",
 ]
@@ -173,6 +174,107 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False) -> dict[str, Any]
     if labels:
         kwargs["labels"] = batch.labels.long()
     return kwargs
+
+
+def packed_causal_lm_loss(
+    model: Any,
+    inputs: Any,
+    *,
+    reduction: str = "token",
+    chunk_size: int | None = None,
+) -> Tensor:
+    """The packed loss of a transformers causal LM, without its (B, S, V) logits.
+
+    Runs the model's backbone (``model.base_model``) to the last hidden states and hands them
+    with the LM head (``model.get_output_embeddings()``: weight and bias) and the config's
+    ``final_logit_softcapping`` to :func:`flexpack.packed_linear_cross_entropy`. Equal to
+    ``flexpack.packed_cross_entropy(model(**inputs).logits, labels, doc_ids)`` (and, for
+    ``reduction="token"`` on flexpack rows, to the model's own ``loss``), gradients included.
+    The documents come from the inputs as the attention finds them: ``doc_ids``, ``seq_idx``,
+    or the ``position_ids`` rule, with a 2-D ``attention_mask`` marking padding.
+
+    Use it where the loss is computed: a training loop (``loss = packed_causal_lm_loss(model,
+    batch)``), or a Trainer subclass's ``compute_loss`` (docs/loss.md). A PEFT model works (its
+    adapters stay active); a DDP/FSDP wrapper must be unwrapped by the caller's own forward
+    (its gradient hooks run only through the wrapper's ``forward``), so it is refused.
+
+    Args:
+        model: a ``...ForCausalLM`` (or PEFT model of one) built with
+            ``attn_implementation=register()``.
+        inputs: a ``PackedBatch``, or the model call's keyword arguments with ``labels`` (e.g.
+            ``packed_forward_kwargs(batch, labels=True)``, a Trainer/TRL batch).
+        reduction: "token" (mean over supervised tokens) or "document" (mean of per-document
+            means).
+        chunk_size: tokens per chunk of the head; None picks one from the shapes.
+
+    Returns:
+        0-d float32 tensor (float64 for a float64 model).
+
+    Raises:
+        TypeError: no ``labels``, or a model without a backbone and an output head.
+        ValueError: a model that scales its logits (``logit_scale``, ``logits_scaling``, ...),
+            a DDP/FSDP wrapper, or what :func:`flexpack.packed_linear_cross_entropy` rejects.
+
+    Example:
+        >>> import torch, flexpack, transformers                               # doctest: +SKIP
+        >>> model = transformers.LlamaForCausalLM(config)  # attn_implementation=register()
+        >>> batch = flexpack.pack_sequences(samples, max_len=4096)             # doctest: +SKIP
+        >>> packed_causal_lm_loss(model, batch).backward()                     # doctest: +SKIP
+    """
+    from flexpack.loss import packed_linear_cross_entropy
+
+    if not isinstance(inputs, dict):
+        inputs = packed_forward_kwargs(inputs, labels=True)
+    inputs = dict(inputs)
+    labels = inputs.pop("labels", None)
+    if not isinstance(labels, Tensor):
+        raise TypeError(
+            f"packed_causal_lm_loss needs labels: a PackedBatch or the model's keyword arguments "
+            f"with a 'labels' tensor, got keys {sorted(inputs)}; use "
+            "packed_forward_kwargs(batch, labels=True)."
+        )
+    for name in ("num_items_in_batch", "return_dict", "logits_to_keep"):
+        inputs.pop(name, None)
+    wrapper = next(
+        (c.__name__ for c in type(model).__mro__
+         if c.__name__ in ("DistributedDataParallel", "FullyShardedDataParallel")),
+        None,
+    )  # fmt: skip
+    if wrapper is not None:
+        raise ValueError(
+            f"packed_causal_lm_loss got a {wrapper}; its gradient hooks run only through the "
+            "wrapper's own forward. Pass model.module inside a forward the wrapper runs, or train "
+            "without the wrapper (FSDP2's fully_shard keeps the model itself: pass it)."
+        )
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
+    backbone = getattr(inner, "base_model", None)
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    if backbone is None or backbone is inner or head is None:
+        raise TypeError(
+            f"packed_causal_lm_loss needs a transformers causal LM with a backbone "
+            f"(base_model) and an output head (get_output_embeddings()), got "
+            f"{type(model).__name__}; compute the logits and use flexpack.packed_cross_entropy."
+        )
+    config = inner.config.get_text_config()
+    for name in ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier"):
+        if getattr(config, name, None) not in (None, 1, 1.0):
+            raise ValueError(
+                f"{type(inner).__name__} scales its logits ({name}={getattr(config, name)}), "
+                "which packed_causal_lm_loss does not apply; compute the logits and use "
+                "flexpack.packed_cross_entropy."
+            )
+    inputs["use_cache"] = False
+    hidden = backbone(**inputs).last_hidden_state  # (B, S, C)
+    B, S = hidden.shape[:2]
+    doc_ids = _doc_ids(
+        B, S, inputs.get("attention_mask"), inputs.get("doc_ids"), inputs.get("seq_idx"),
+        inputs.get("position_ids"),
+    ).to(hidden.device)  # fmt: skip
+    return packed_linear_cross_entropy(
+        hidden, head.weight, labels.to(hidden.device).long(), doc_ids, reduction=reduction,
+        bias=head.bias, softcap=getattr(config, "final_logit_softcapping", None),
+        chunk_size=chunk_size,
+    )  # fmt: skip
 
 
 def flexpack_attention_forward(

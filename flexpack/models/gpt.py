@@ -197,8 +197,9 @@ class GPT(nn.Module):
         doc_ids: Tensor | None = None,
         mask: object | None = None,
         layout: PackedLayout | None = None,
+        _hidden: bool = False,
     ) -> Tensor:
-        """Logits for every token.
+        """Logits for every token (:meth:`loss` gives the packed loss without them).
 
         Args:
             input_ids: (B, S) int64 token ids.
@@ -275,7 +276,56 @@ class GPT(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_base)
         for block in self.blocks:
             x = block(x, cos, sin, mask)  # (B, S, C)
-        return self.head(self.norm(x))  # (B, S, V)
+        x = self.norm(x)
+        return x if _hidden else self.head(x)  # (B, S, C) or (B, S, V)
+
+    def loss(
+        self,
+        input_ids: Tensor,
+        labels: Tensor,
+        *,
+        doc_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        mask: object | None = None,
+        layout: PackedLayout | None = None,
+        reduction: str = "token",
+        chunk_size: int | None = None,
+    ) -> Tensor:
+        """The packed next-token loss, from the final hidden states: no (B, S, V) logits.
+
+        Equal to ``flexpack.packed_cross_entropy(self(input_ids, ...), labels, doc_ids,
+        reduction=reduction)`` in value and gradients; the head runs chunk by chunk inside
+        :func:`flexpack.packed_linear_cross_entropy`. Arguments as in :meth:`forward`, plus
+        ``labels`` (B, S) int64 (unshifted, -100 without a target), ``reduction`` ("token" or
+        "document") and ``chunk_size`` (tokens per chunk; None picks one from the shapes).
+        Without ``doc_ids`` (nor ``layout``) each row is one document.
+
+        Example:
+            >>> import flexpack
+            >>> _ = torch.manual_seed(0)
+            >>> model = GPT(GPTConfig(n_layer=1, n_embd=32))
+            >>> batch = flexpack.pack_sequences([torch.arange(9), torch.arange(5)], max_len=16)
+            >>> kw = {"doc_ids": batch.doc_ids}
+            >>> loss = model.loss(batch.input_ids, batch.labels, **kw)
+            >>> logits = model(batch.input_ids, **kw)  # (1, 16, 256): what loss() never builds
+            >>> want = flexpack.packed_cross_entropy(logits, batch.labels, batch.doc_ids)
+            >>> torch.allclose(loss, want)
+            True
+        """
+        from flexpack.loss import packed_linear_cross_entropy
+
+        hidden = self.forward(
+            input_ids, position_ids=position_ids, doc_ids=doc_ids, mask=mask, layout=layout,
+            _hidden=True,
+        )  # fmt: skip
+        if layout is not None:
+            doc_ids = layout.doc_ids
+        if doc_ids is None:
+            doc_ids = torch.zeros_like(input_ids)
+        return packed_linear_cross_entropy(
+            hidden, self.head.weight, labels, doc_ids.to(hidden.device), reduction=reduction,
+            bias=self.head.bias, chunk_size=chunk_size,
+        )  # fmt: skip
 
 
 def _positions_in_documents(doc_ids: Tensor) -> Tensor:
