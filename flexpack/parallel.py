@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -65,19 +66,27 @@ def _token_work(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tokens (``rank`` = earlier tokens of the same id), 0 and 0 on padding.
     """
     S = d.shape[0]
+    real_mask = d >= 0
+    starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]]) if S else np.zeros(0, np.int64)
+    run_ids = d[starts]
+    real_runs = run_ids[run_ids >= 0]
+    if np.unique(real_runs).size == real_runs.size:  # each document one run: the packer's rows
+        lengths = np.diff(np.r_[starts, S])
+        pos = np.arange(S, dtype=np.int64) - np.repeat(starts, lengths)
+        pos[~real_mask] = 0
+        return np.where(real_mask, pos + 1, 0), pos
     work = np.zeros(S, dtype=np.int64)
     pos = np.zeros(S, dtype=np.int64)
-    real = np.flatnonzero(d >= 0)
-    if real.size:
-        ids = d[real]
-        order = np.argsort(ids, kind="stable")  # by id, then position
-        sid = ids[order]
-        start = np.ones(sid.size, dtype=bool)
-        start[1:] = sid[1:] != sid[:-1]
-        first = np.flatnonzero(start)
-        rank = np.arange(sid.size) - np.repeat(first, np.diff(np.append(first, sid.size)))
-        pos[real[order]] = rank
-        work[real[order]] = rank + 1
+    real = np.flatnonzero(real_mask)
+    ids = d[real]
+    order = np.argsort(ids, kind="stable")  # by id, then position
+    sid = ids[order]
+    start = np.ones(sid.size, dtype=bool)
+    start[1:] = sid[1:] != sid[:-1]
+    first = np.flatnonzero(start)
+    rank = np.arange(sid.size) - np.repeat(first, np.diff(np.append(first, sid.size)))
+    pos[real[order]] = rank
+    work[real[order]] = rank + 1
     return work, pos
 
 
@@ -87,6 +96,9 @@ def _unit(per_rank: int, block_size: int) -> int:
         if per_rank % u == 0:
             return u
     return 1
+
+
+_SWAP_TOLERANCE = 2e-4
 
 
 def _deal_by_work(unit_work: np.ndarray, loads: np.ndarray) -> np.ndarray:
@@ -109,6 +121,8 @@ def _deal_by_work(unit_work: np.ndarray, loads: np.ndarray) -> np.ndarray:
     if W == 1:
         return owner
     for _ in range(4 * U):  # each pass strictly lowers max(loads) or stops
+        if loads.max() * W <= loads.sum() * (1 + _SWAP_TOLERANCE):
+            break  # even enough: the rest would cost more plan time than it saves
         m = int(np.argmax(loads))
         mine = np.flatnonzero(owner == m)
         best = None  # (new pair max, unit of m, unit of other)
@@ -152,38 +166,77 @@ class _Plan:
     rank_work: tuple[int, ...]
 
 
-def _plan(d: np.ndarray, world: int, balance: str, block_size: int) -> _Plan:
+_BALANCE_TARGET = 1.02  # finer blocks are dealt while the deal is further from even
+_MIN_UNIT = 8
+_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()  # per layout: the last few plans
+_PLAN_CACHE_SIZE = 8
+
+
+def _plan(d: np.ndarray, world: int, balance: str, block_size: int, key: tuple) -> _Plan:
+    """The plan of a (B, S) batch, cached per layout (``key``: its fingerprint)."""
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
+    per_row = [_token_work(row) for row in d]
+    work = np.stack([w for w, _ in per_row]) if per_row else d.astype(np.int64)
+    pos = np.stack([p for _, p in per_row]) if per_row else d.astype(np.int64)
     if balance != "work":
-        return _plan_one(d, world, balance, block_size)
-    # The greedy deal is a heuristic: on tiny rows a plain split can beat it. Keep the best.
-    plans = [_plan_one(d, world, b, block_size) for b in ("work", "head_tail", "contiguous")]
-    return min(plans, key=lambda p: max(p.rank_work))
+        plan = _plan_one(work, pos, world, balance, block_size)
+    else:
+        # The greedy deal is a heuristic: on tiny rows a plain split can beat it; on short rows
+        # 128-token blocks are too few to even out (4 per rank at S = 4K, W = 8): halve them
+        # while the deal is more than 2% off. Keep the best.
+        plans = [_plan_one(work, pos, world, b, block_size) for b in ("head_tail", "contiguous")]
+        per = d.shape[1] // world
+        unit = _unit(per, block_size)
+        while True:
+            plans.append(_plan_one(work, pos, world, "work", unit))
+            if _imbalance(plans[-1].rank_work) <= _BALANCE_TARGET or unit <= _MIN_UNIT:
+                break
+            finer = _unit(per, unit // 2)
+            if finer == unit:
+                break
+            unit = finer
+        plan = min(plans, key=lambda p: max(p.rank_work))
+    _PLANS[key] = plan
+    while len(_PLANS) > _PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan
 
 
-def _plan_one(d: np.ndarray, world: int, balance: str, block_size: int) -> _Plan:
-    B, S = d.shape
+def _imbalance(rank_work: tuple[int, ...]) -> float:
+    mean = sum(rank_work) / len(rank_work)
+    return max(rank_work) / mean if mean else 1.0
+
+
+def _plan_one(work: np.ndarray, pos: np.ndarray, world: int, balance: str, unit: int) -> _Plan:
+    """work, pos: (B, S) from :func:`_token_work`; ``unit`` tokens per dealt block ("work").
+
+    Every strategy deals whole units of the row (contiguous: S_l tokens, head-tail: S_l / 2),
+    so the all-gather order is built from the U unit owners, not by sorting S tokens."""
+    B, S = work.shape
     per = S // world
     gathered = np.empty((B, S), dtype=np.int64)
-    position_ids = np.empty((B, S), dtype=np.int64)
     loads = np.zeros(world, dtype=np.int64)
+    ranks = np.arange(world)
     for b in range(B):
-        work, position_ids[b] = _token_work(d[b])
         if balance == "contiguous":
-            owner = np.repeat(np.arange(world), per)
-        elif balance == "head_tail":
+            unit, owner = per, ranks
+        elif balance == "head_tail" and per % 2 == 0:
+            unit, owner = per // 2, np.r_[ranks, ranks[::-1]]
+        elif balance == "head_tail":  # an odd share: heads of per // 2, tails of per // 2 + 1
             h = per // 2
-            t = per - h
-            owner = np.empty(S, dtype=np.int64)
-            owner[: world * h] = np.repeat(np.arange(world), h)
-            owner[world * h :] = np.repeat(np.arange(world)[::-1], t)
+            unit, owner = 1, np.r_[np.repeat(ranks, h), np.repeat(ranks[::-1], per - h)]
         else:
-            unit = _unit(per, block_size)
-            unit_work = work.reshape(-1, unit).sum(1)
-            owner = np.repeat(_deal_by_work(unit_work, loads.copy()), unit)
-        # Every rank's positions in ascending order, ranks one after the other.
-        gathered[b] = np.argsort(owner, kind="stable")
-        loads += np.bincount(owner, weights=work, minlength=world).astype(np.int64)
-    return _Plan(gathered, position_ids, tuple(int(x) for x in loads))
+            unit = _unit(per, unit)
+            owner = _deal_by_work(work[b].reshape(-1, unit).sum(1), loads.copy())
+        # Every rank's units in ascending order, ranks one after the other.
+        order = np.argsort(owner, kind="stable")
+        gathered[b] = (order[:, None] * unit + np.arange(unit)).reshape(-1)
+        loads += np.bincount(owner, weights=work[b].reshape(-1, unit).sum(1), minlength=world
+                             ).astype(np.int64)  # fmt: skip
+    return _Plan(gathered, pos, tuple(int(x) for x in loads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,6 +363,34 @@ class ContextShard:
             raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(want)}")
         return out.scatter(dim, _along(self._index_on(out.device), local, dim), local)
 
+    def next_token_targets(self, labels: Tensor) -> Tensor:
+        """This rank's next-token targets: (B, S_l) int64, ``labels[:, p + 1]`` for the token at
+        row position p when p + 1 is in the same document, else -100.
+
+        The shift happens on the full (B, S) row before sharding, since a token's target may
+        sit on another rank; the targets then go with the token, in ``index`` order, as
+        ``packed_cross_entropy``'s labels would after its own shift.
+
+        Example:
+            >>> d = torch.tensor([[0, 0, 0, 1, 1, -1]])
+            >>> s = shard_context(d, 2, 1, balance="contiguous")  # positions 3, 4, 5
+            >>> s.next_token_targets(torch.tensor([[-100, 11, 12, -100, 14, -100]]))
+            tensor([[  14, -100, -100]])
+        """
+        if not isinstance(labels, Tensor) or labels.is_floating_point():
+            got = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
+            raise TypeError(f"labels must be an integer tensor, got {got}")
+        if tuple(labels.shape) != self.shape:
+            raise ValueError(
+                f"labels has shape {tuple(labels.shape)}; expected the full rows {self.shape} "
+                "(the targets are shifted before sharding)"
+            )
+        d = self.row_doc_ids.to(labels.device)
+        same = (d[:, 1:] == d[:, :-1]) & (d[:, 1:] >= 0)
+        target = torch.full(self.shape, -100, dtype=torch.int64, device=labels.device)
+        target[:, :-1] = labels[:, 1:].long().masked_fill(~same, -100)
+        return self.take(target)
+
     def gather(self, local: Tensor, dim: int = 1, *, group: Any = None) -> Tensor:
         """The full (B, S, ...) tensor from every rank's (B, S_l, ...) share, in row order.
 
@@ -384,16 +465,22 @@ def shard_context(
       document-causal mask allows its queries (a query at position i of its document: i + 1);
       blocks are dealt heaviest first to the least-loaded rank, one per rank per round, then
       swapped pairwise while that lowers the largest load (and the plain splits below are
-      taken instead where they happen to be more even: tiny rows). Within 0.1% of the mean on
+      taken instead where they happen to be more even: tiny rows). Where 128-token blocks are
+      too few to even out (4 per rank at S = 4K over 8 ranks), blocks of half the size are
+      dealt while the deal is more than 2% off, down to 8 tokens. Within 0.1% of the mean on
       32K and 128K rows of lognormal documents with one long one, at 2-8 ranks, where a
-      contiguous split is 1.2-4.2x and head-tail 1.2-2.6x (bench/context_parallel.py). Rows
-      are dealt in turn with the loads carried over, so the batch balances as a whole.
+      contiguous split is 1.2-4.2x and head-tail 1.2-2.6x, and within 3% on every 4K and 8K
+      row of the bundled corpus (bench/context_parallel.py). Rows are dealt in turn with the
+      loads carried over, so the batch balances as a whole.
     - ``"head_tail"``: rank r holds chunk r and chunk 2W - 1 - r of 2W equal chunks (torch's
       ``_HeadTailLoadBalancer``; balanced for one causal document, not for many).
     - ``"contiguous"``: rank r holds tokens ``r * S_l .. (r + 1) * S_l - 1``.
 
     The plan is computed on the host (one device-to-host copy of ``doc_ids``) and is the same
-    on every rank: call it with the same ``doc_ids`` everywhere.
+    on every rank: call it with the same ``doc_ids`` everywhere (the first collective on the
+    shard checks that, once: ranks that disagree raise a ValueError). The last few plans are
+    cached per layout (a hash of ``doc_ids`` and the arguments), so a layout seen again costs
+    the hash alone.
 
     Args:
         doc_ids: (B, S) or (S,) int; -1 (any negative) marks padding. A document is all tokens
@@ -448,11 +535,12 @@ def shard_context(
         )
     device = doc_ids.device
     d = doc_ids.detach().cpu().numpy().astype(np.int64)  # the one host sync
-    plan = _plan(d, world_size, balance, block_size)
+    fingerprint = _fingerprint(d, world_size, balance, block_size)
+    plan = _plan(d, world_size, balance, block_size, fingerprint)
     per = S // world_size
     mine = plan.gathered[:, rank * per : (rank + 1) * per]
     rows = np.arange(B)[:, None]
-    work = _token_work_rows(d, mine)
+    work = int(np.where(d[rows, mine] >= 0, plan.position_ids[rows, mine] + 1, 0).sum())
 
     parts = [
         mine,
@@ -474,7 +562,7 @@ def shard_context(
         gathered_index=gathered,
         row_doc_ids=row_ids,
         block_size=block_size,
-        fingerprint=_fingerprint(d, world_size, balance, block_size),
+        fingerprint=fingerprint,
     )
 
 
@@ -491,10 +579,6 @@ def _to_device(parts: list[np.ndarray], device: torch.device) -> list[Tensor]:
         out.append(flat[start : start + a.size].view(a.shape))
         start += a.size
     return out
-
-
-def _token_work_rows(d: np.ndarray, positions: np.ndarray) -> int:
-    return int(sum(_token_work(d[b])[0][positions[b]].sum() for b in range(d.shape[0])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -664,9 +748,11 @@ class _RingPlan:
     key_perm: list[Tensor]  # per source rank: (Tk_s,) positions in its (B * S_l,) keys
     key_pos: list[Tensor]
     tiles: list[list[tuple[int, int, int, int, bool]]]  # per source rank
+    heads: int = 1
 
 
-_TILE_ELEMENTS = 1 << 20  # score elements per tile and kv head group: bounds the workspace
+_TILE_ROWS = 256  # queries per causal tile: bounds its mask to 256 x (keys between them)
+_TILE_ELEMENTS = 1 << 19  # score elements per step of the math path (softcap, not CPU)
 
 
 def _groups(b: np.ndarray, doc: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -678,7 +764,7 @@ def _groups(b: np.ndarray, doc: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray
     return order, key[start] if key.size else key, start, end
 
 
-def _ring_plan(shard: ContextShard, causal: bool, device: torch.device) -> _RingPlan:
+def _ring_plan(shard: ContextShard, causal: bool, heads: int, device: torch.device) -> _RingPlan:
     d = shard.row_doc_ids.cpu().numpy()
     gathered = shard.gathered_index.cpu().numpy()
     B, S = d.shape
@@ -709,20 +795,20 @@ def _ring_plan(shard: ContextShard, causal: bool, device: torch.device) -> _Ring
             k0, k1 = int(k_start[j]), int(k_end[j])
             kp = k_pos[k0:k1]
             q0, q1 = int(q_start[g]), int(q_end[g])
-            step = max(16, _TILE_ELEMENTS // max(1, k1 - k0))
-            for a in range(q0, q1, step):
-                b_ = min(a + step, q1)
-                if not causal:
-                    mine.append((a, b_, k0, k1, False))
-                    continue
+            if not causal:
+                mine.append((q0, q1, k0, k1, False))
+                continue
+            for a in range(q0, q1, _TILE_ROWS):
+                b_ = min(a + _TILE_ROWS, q1)
                 n = int(np.searchsorted(kp, q_pos[b_ - 1], side="right"))  # keys <= last query
-                if n == 0:
-                    continue
                 full = int(np.searchsorted(kp, q_pos[a], side="right"))  # keys <= first query
-                mine.append((a, b_, k0, k0 + n, n > full))
+                if full:  # every query of the chunk sees these: no mask
+                    mine.append((a, b_, k0, k0 + full, False))
+                if n > full:  # the few keys between the chunk's queries: masked
+                    mine.append((a, b_, k0 + full, k0 + n, True))
         tiles.append(mine)
     as_t = lambda a: torch.from_numpy(a.astype(np.int64)).to(device)
-    return _RingPlan(as_t(q_perm), as_t(q_pos), key_perm, key_pos, tiles)
+    return _RingPlan(as_t(q_perm), as_t(q_pos), key_perm, key_pos, tiles, heads)
 
 
 def _tile_scores(qt: Tensor, kt: Tensor, scale: float, softcap: float | None):
@@ -734,12 +820,10 @@ def _tile_scores(qt: Tensor, kt: Tensor, scale: float, softcap: float | None):
     return t * softcap, t
 
 
-def _tile_mask(plan: _RingPlan, src: int, tile: tuple, G: int) -> Tensor | None:
-    q0, q1, k0, k1, masked = tile
-    if not masked:
-        return None
-    ok = plan.key_pos[src][None, k0:k1] <= plan.query_pos[q0:q1, None]  # (m, n)
-    return ok.repeat(G, 1)  # rows in (G, m) order, as the folded queries
+def _tile_allowed(plan: _RingPlan, src: int, tile: tuple) -> Tensor:
+    """(m, n) bool: the causal mask of a masked tile (key position <= query position)."""
+    q0, q1, k0, k1, _ = tile
+    return plan.key_pos[src][None, k0:k1] <= plan.query_pos[q0:q1, None]
 
 
 def _fold(x: Tensor, Hkv: int) -> Tensor:
@@ -751,6 +835,42 @@ def _fold(x: Tensor, Hkv: int) -> Tensor:
 def _unfold(x: Tensor, Hq: int) -> Tensor:
     Hkv, Gm, D = x.shape
     return x.reshape(Hq, Gm * Hkv // Hq, D)
+
+
+def _use_kernel(x: Tensor, softcap: float | None) -> bool:
+    """The CPU flash kernel returns the LSE and has a backward that takes it: the ring's tiles
+    run through it (memory-efficient, in C++) except with softcap, which it does not take."""
+    return x.device.type == "cpu" and softcap is None and _cpu_flash() is not None
+
+
+def _cpu_flash():
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _kernel_tile(qh, kh, vh, plan, src, tile, G):
+    """Inputs of the CPU flash kernel for one tile: (1, Hq, m, D) q, (1, Hq, n, D) k, v (kv
+    heads repeated for GQA) and the additive mask or None."""
+    q0, q1, k0, k1, masked = tile
+    qt = qh[None, :, q0:q1]
+    kt, vt = kh[None, :, k0:k1], vh[None, :, k0:k1]
+    if G > 1:
+        kt, vt = kt.repeat_interleave(G, dim=1), vt.repeat_interleave(G, dim=1)
+    mask = None
+    if masked:
+        allowed = _tile_allowed(plan, src, tile)
+        mask = torch.zeros(allowed.shape, dtype=qh.dtype, device=qh.device)
+        mask.masked_fill_(~allowed, -math.inf)
+    return qt, kt, vt, mask
+
+
+def _merge(acc: Tensor, lse: Tensor, q0: int, q1: int, o: Tensor, t_lse: Tensor) -> None:
+    """Merge a partial (Hq, m, D) output and its (Hq, m) LSE into rows q0:q1, in place."""
+    old = lse[:, q0:q1]
+    new = torch.logaddexp(old, t_lse)
+    new_safe = torch.where(torch.isfinite(new), new, 0.0)
+    a, b = torch.exp(old - new_safe), torch.exp(t_lse - new_safe)
+    acc[:, q0:q1] = acc[:, q0:q1] * a[..., None] + o * b[..., None]
+    lse[:, q0:q1] = new
 
 
 def _ring_block_forward(qh, kv, plan, src, acc, lse, *, scale, softcap) -> bool:
@@ -765,30 +885,37 @@ def _ring_block_forward(qh, kv, plan, src, acc, lse, *, scale, softcap) -> bool:
     Hq, Hkv = qh.shape[0], kv.shape[1]
     G = Hq // Hkv
     kh, vh = (kv[i].index_select(1, plan.key_perm[src]) for i in range(2))  # (Hkv, Tk, D)
+    kernel = _use_kernel(qh, softcap)
     for tile in tiles:
-        q0, q1, k0, k1, _ = tile
-        s, _ = _tile_scores(_fold(qh[:, q0:q1], Hkv), kh[:, k0:k1], scale, softcap)
-        mask = _tile_mask(plan, src, tile, G)
-        if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
-        t_lse = torch.logsumexp(s, dim=-1)  # (Hkv, G*m); -inf on rows with no key here
-        safe = torch.where(torch.isfinite(t_lse), t_lse, 0.0)
-        o = torch.matmul(torch.exp(s - safe[..., None]), vh[:, k0:k1])  # (Hkv, G*m, D)
-        t_lse, o = _unfold(t_lse[..., None], Hq)[..., 0], _unfold(o, Hq)
-        old = lse[:, q0:q1]
-        new = torch.logaddexp(old, t_lse)
-        new_safe = torch.where(torch.isfinite(new), new, 0.0)
-        a, b = torch.exp(old - new_safe), torch.exp(t_lse - new_safe)
-        acc[:, q0:q1] = acc[:, q0:q1] * a[..., None] + o * b[..., None]
-        lse[:, q0:q1] = new
+        q0, q1, k0, k1, masked = tile
+        if kernel:
+            qt, kt, vt, mask = _kernel_tile(qh, kh, vh, plan, src, tile, G)
+            o, t_lse = _cpu_flash()(qt, kt, vt, 0.0, False, attn_mask=mask, scale=scale)
+            o, t_lse = o[0], t_lse[0]
+            if masked:  # the kernel gives rows with no allowed key LSE 0, not -inf
+                sees = plan.key_pos[src][k0] <= plan.query_pos[q0:q1]
+                t_lse = torch.where(sees, t_lse, -math.inf)
+            _merge(acc, lse, q0, q1, o, t_lse)
+            continue
+        step = max(1, _TILE_ELEMENTS // max(1, Hq * (k1 - k0)))
+        for a in range(q0, q1, step):
+            sub = (a, min(a + step, q1), k0, k1, masked)
+            s, _ = _tile_scores(_fold(qh[:, sub[0] : sub[1]], Hkv), kh[:, k0:k1], scale, softcap)
+            if masked:
+                s = s.masked_fill(~_tile_allowed(plan, src, sub).repeat(G, 1), -math.inf)
+            t_lse = torch.logsumexp(s, dim=-1)  # (Hkv, G*m); -inf on rows with no key here
+            safe = torch.where(torch.isfinite(t_lse), t_lse, 0.0)
+            o = torch.matmul(torch.exp(s - safe[..., None]), vh[:, k0:k1])  # (Hkv, G*m, D)
+            _merge(acc, lse, sub[0], sub[1], _unfold(o, Hq), _unfold(t_lse[..., None], Hq)[..., 0])
     return True
 
 
-def _ring_block_backward(qh, doh, lse, delta, kv, plan, src, dq, *, scale, softcap):
+def _ring_block_backward(qh, doh, acc, lse, delta, kv, plan, src, dq, *, scale, softcap):
     """Gradients of this rank's loss w.r.t. one K/V block (and its part of dq, in place).
 
-    qh, doh (Hq, Tq, D); lse, delta (Hq, Tq) of the merged forward; kv (2, Hkv, B*S_l, D).
-    Returns (2, Hkv, B*S_l, D) dk, dv in the block's own order, or None (no tile)."""
+    qh, doh, acc (Hq, Tq, D): queries, output gradient and merged output; lse, delta (Hq, Tq)
+    of the merged forward; kv (2, Hkv, B*S_l, D). Returns (2, Hkv, B*S_l, D) dk, dv in the
+    block's own order, or None (no tile)."""
     tiles = plan.tiles[src]
     if not tiles:
         return None
@@ -797,23 +924,38 @@ def _ring_block_backward(qh, doh, lse, delta, kv, plan, src, dq, *, scale, softc
     perm = plan.key_perm[src]
     kh, vh = (kv[i].index_select(1, perm) for i in range(2))
     dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
+    kernel = _use_kernel(qh, softcap)
+    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
     for tile in tiles:
-        q0, q1, k0, k1, _ = tile
-        qt, dot = _fold(qh[:, q0:q1], Hkv), _fold(doh[:, q0:q1], Hkv)
-        s, t = _tile_scores(qt, kh[:, k0:k1], scale, softcap)
-        row_lse = _fold(lse[:, q0:q1, None], Hkv)  # (Hkv, G*m, 1)
-        p = torch.exp(s - row_lse)
-        mask = _tile_mask(plan, src, tile, G)
-        if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
-        dv[:, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)
-        dp = torch.matmul(dot, vh[:, k0:k1].transpose(-1, -2))
-        ds = p * (dp - _fold(delta[:, q0:q1, None], Hkv))
-        if t is not None:
-            ds = ds * (1 - t * t)
-        ds = ds * scale
-        dq[:, q0:q1] += _unfold(torch.matmul(ds, kh[:, k0:k1]), Hq)
-        dk[:, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
+        q0, q1, k0, k1, masked = tile
+        if kernel:
+            qt, kt, vt, mask = _kernel_tile(qh, kh, vh, plan, src, tile, G)
+            gq, gk, gv = backward(
+                doh[None, :, q0:q1], qt, kt, vt, acc[None, :, q0:q1], lse[None, :, q0:q1],
+                0.0, False, attn_mask=mask, scale=scale,
+            )  # fmt: skip
+            dq[:, q0:q1] += gq[0]
+            n = k1 - k0
+            dk[:, k0:k1] += gk[0].view(Hkv, G, n, -1).sum(1)
+            dv[:, k0:k1] += gv[0].view(Hkv, G, n, -1).sum(1)
+            continue
+        step = max(1, _TILE_ELEMENTS // max(1, Hq * (k1 - k0)))
+        for a in range(q0, q1, step):
+            sub = (a, min(a + step, q1), k0, k1, masked)
+            r0, r1 = sub[0], sub[1]
+            qt, dot = _fold(qh[:, r0:r1], Hkv), _fold(doh[:, r0:r1], Hkv)
+            s, t = _tile_scores(qt, kh[:, k0:k1], scale, softcap)
+            p = torch.exp(s - _fold(lse[:, r0:r1, None], Hkv))  # (Hkv, G*m, n)
+            if masked:
+                p = p.masked_fill(~_tile_allowed(plan, src, sub).repeat(G, 1), 0.0)
+            dv[:, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)
+            dp = torch.matmul(dot, vh[:, k0:k1].transpose(-1, -2))
+            ds = p * (dp - _fold(delta[:, r0:r1, None], Hkv))
+            if t is not None:
+                ds = ds * (1 - t * t)
+            ds = ds * scale
+            dq[:, r0:r1] += _unfold(torch.matmul(ds, kh[:, k0:k1]), Hq)
+            dk[:, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
     out = torch.zeros_like(kv)
     out[0].index_copy_(1, perm, dk)
     out[1].index_copy_(1, perm, dv)
@@ -883,8 +1025,8 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, shard, group, causal, scale, softcap, stats):
         B, Hq, S_l, D = q.shape
         cd = _compute_dtype(q.dtype)
-        plan = _cached(shard, ("ring", causal, str(q.device)),
-                       lambda: _ring_plan(shard, causal, q.device))  # fmt: skip
+        plan = _cached(shard, ("ring", causal, Hq, str(q.device)),
+                       lambda: _ring_plan(shard, causal, Hq, q.device))  # fmt: skip
         qh = _heads(q).to(cd).index_select(1, plan.query_perm)  # (Hq, Tq, D)
         kv = torch.stack([_heads(k), _heads(v)]).to(cd)  # (2, Hkv, B * S_l, D)
         acc = qh.new_zeros(qh.shape)
@@ -927,7 +1069,7 @@ class _RingAttention(torch.autograd.Function):
             works = []
             if i < W - 1:
                 nxt, works = ring.start(kv, tag=1)
-            mine = _ring_block_backward(qh, doh, lse, delta, kv, plan, src, dq, **kw)
+            mine = _ring_block_backward(qh, doh, acc, lse, delta, kv, plan, src, dq, **kw)
             if mine is None:
                 stats.blocks_skipped += 1
                 mine = torch.zeros_like(kv)

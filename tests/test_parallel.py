@@ -222,6 +222,49 @@ def test_work_balance_within_3_percent_at_32k(median) -> None:
         assert s.imbalance <= contiguous.imbalance
 
 
+def _corpus_rows(S: int) -> list[torch.Tensor]:
+    """The bundled corpus (UTF-8 bytes as tokens) packed into rows of S, as doc ids."""
+    import json
+    from pathlib import Path
+
+    path = Path(flexpack.__file__).parent / "assets" / "corpus.jsonl"
+    with open(path, encoding="utf-8") as f:
+        lengths = np.array([len(json.loads(line)["text"].encode()) for line in f])
+    seg = flexpack.pack(lengths, S, overflow="split").segments
+    rows = []
+    for r in np.unique(seg[:, 0]):
+        n = seg[seg[:, 0] == r][:, 3] - seg[seg[:, 0] == r][:, 2]
+        ids = np.full(S, -1)
+        ids[: n.sum()] = np.repeat(np.arange(n.size), n)
+        rows.append(torch.from_numpy(ids)[None])
+    return rows
+
+
+@pytest.mark.parametrize("S", [4096, 8192])
+def test_work_balance_within_3_percent_on_short_rows(S) -> None:
+    """Every row of the bundled corpus and of lognormal documents, at 2, 4 and 8 ranks: 128
+    tokens per block are too few at 4K over 8 ranks (4 per rank), finer blocks are dealt."""
+    rng = np.random.default_rng(S)
+    rows = _corpus_rows(S)[::3] + [_lognormal_row(S, m, rng) for m in (300, 1000, 3000, 8000)]
+    for world in (2, 4, 8):
+        worst = max(shard_context(d, world, 0).imbalance for d in rows)
+        assert worst <= 1.03, (S, world, worst)
+
+
+def test_plans_are_cached_per_layout() -> None:
+    from flexpack import parallel
+
+    d = _lognormal_row(4096, 300, np.random.default_rng(5))
+    a, b = shard_context(d, 4, 0), shard_context(d.clone(), 4, 3)
+    key = a.fingerprint
+    assert key == b.fingerprint and key in parallel._PLANS  # one plan for the layout
+    assert torch.equal(a.gathered_index, b.gathered_index)
+    e = d.clone()
+    e[0, 100] = e[0, 99] + 1000  # another layout: another plan, not the cached one
+    assert shard_context(e, 4, 0).fingerprint != key
+    assert shard_context(d, 4, 0, balance="contiguous").fingerprint != key
+
+
 def test_batch_rows_balance_together() -> None:
     rng = np.random.default_rng(1)
     d = torch.cat([_lognormal_row(4096, 500, rng) for _ in range(3)])
