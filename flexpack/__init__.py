@@ -3,7 +3,8 @@
 Packing (``pack``, ``pack_sequences``, ``PackedLayout``) assigns variable-length samples to rows of
 ``max_len``; masks (``document_causal_mask`` and friends) keep every document to itself in
 FlexAttention; ``attention`` runs them on any device; ``packed_cross_entropy`` keeps the loss
-unbiased; ``pack_trees`` forwards shared prompts once (GRPO groups, DPO pairs).
+unbiased (``packed_linear_cross_entropy`` from the hidden states, never building the whole
+logits); ``pack_trees`` forwards shared prompts once (GRPO groups, DPO pairs).
 
 The names below load on first use (PEP 562), so ``import flexpack`` and the ``flexpack`` command's
 ``--help`` do not import torch until something needs it.
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from flexpack.attention import RecompileLimitError, attention
     from flexpack.batch import PackedBatch, pack_sequences
     from flexpack.layout import PackedLayout
-    from flexpack.loss import packed_cross_entropy
+    from flexpack.loss import packed_cross_entropy, packed_linear_cross_entropy
     from flexpack.masks import document_causal_mask, document_mask, prefix_lm_mask
     from flexpack.packing import PackPlan, PackStats, pack
     from flexpack.trees import TreeBatch, pack_trees
@@ -50,6 +51,7 @@ _EXPORTS = {
     "pack_sequences": "flexpack.batch",
     "pack_trees": "flexpack.trees",
     "packed_cross_entropy": "flexpack.loss",
+    "packed_linear_cross_entropy": "flexpack.loss",
     "prefix_lm_mask": "flexpack.masks",
 }
 
@@ -67,6 +69,7 @@ __all__ = [
     "pack_sequences",
     "pack_trees",
     "packed_cross_entropy",
+    "packed_linear_cross_entropy",
     "prefix_lm_mask",
 ]
 assert sorted(_EXPORTS) == __all__
