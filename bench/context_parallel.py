@@ -284,6 +284,107 @@ def wall_table() -> list[str]:
     return lines
 
 
+# ------------------------------------------------------------------------------- ring vs all-gather
+
+MEM_H, MEM_D, MEM_MEDIAN = 2, 16, 300
+
+
+def _live_and_peak(fn):
+    """(result, peak live tensor bytes during fn, bytes still live when it returns) from the
+    CPU profiler's allocation events (tensors allocated before fn do not count)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    live = peak = 0
+    for e in sorted(events, key=lambda e: e.start_ns()):
+        live += e.nbytes()
+        peak = max(peak, live)
+    return out, peak, live
+
+
+def _mem_step(shard, full: list[torch.Tensor], schedule: str) -> dict:
+    """One attention forward + backward of this rank under ``schedule``: memory and bytes."""
+    import torch.distributed as dist
+
+    from flexpack.parallel import context_parallel_attention
+
+    q, k, v = (shard.take(x, dim=2).requires_grad_() for x in full)
+    dist.barrier()
+    t = time.perf_counter()
+    o, fwd_peak, kept = _live_and_peak(
+        lambda: context_parallel_attention(q, k, v, shard, schedule=schedule)
+    )
+    _, bwd_peak, _ = _live_and_peak(lambda: o.sum().backward())
+    dist.barrier()
+    wall = time.perf_counter() - t
+    return dict(S=shard.shape[1], schedule=schedule, kept=kept, peak=max(fwd_peak, kept + bwd_peak),
+                sent=shard.stats.bytes_sent, wall=wall)  # fmt: skip
+
+
+def _mem_worker(rank: int, world: int, init: str, out: str, sizes: list[int]) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    rows = []
+    for S in sizes:
+        d = torch.from_numpy(lognormal_row(S, MEM_MEDIAN, np.random.default_rng(S)))[None]
+        g = torch.Generator().manual_seed(0)
+        full = [torch.randn(1, MEM_H, S, MEM_D, generator=g) for _ in range(3)]
+        for schedule in ("all_gather", "ring"):
+            rows.append(_mem_step(shard_context(d, world, rank), full, schedule))
+    every = [None] * world
+    dist.all_gather_object(every, rows)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(every))
+
+
+def memory_table(sizes: list[int], worlds: list[int]) -> list[str]:
+    import torch.multiprocessing as mp
+
+    from flexpack.parallel import _auto_schedule
+
+    kv_row = lambda S: 2 * S * MEM_H * MEM_D * 4  # k and v of the whole row, fp32
+    lines = [
+        f"One row of S tokens (lognormal documents, median {MEM_MEDIAN}), B=1, H={MEM_H}, "
+        f"D={MEM_D}, float32, one attention forward + backward per rank (gloo, one process per "
+        "rank, 1 thread each). Per rank, the largest over the ranks: kept = tensor bytes the "
+        "layer holds from its forward to its backward (what every layer of a model keeps "
+        "without checkpointing), peak = peak live tensor bytes during forward + backward, sent "
+        "= bytes of K, V and their gradients sent (stats.bytes_sent). K+V of the whole row is "
+        "2 * S * H * D * 4 bytes.",
+        "",
+        "| S | W | K+V of the row | schedule | kept | peak | sent | wall (s) | auto picks |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    mib = lambda b: f"{b / 2**20:.1f} MiB"
+    for world in worlds:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            mp.spawn(_mem_worker, args=(world, os.path.join(tmp, "init"), out, sizes),
+                     nprocs=world)  # fmt: skip
+            every = json.loads(Path(out).read_text())
+        for i, row in enumerate(every[0]):
+            per_rank = [ranks[i] for ranks in every]
+            S = row["S"]
+            dummy = torch.empty(1, MEM_H, S // world, MEM_D)
+            shard = shard_context(torch.zeros(1, S, dtype=torch.long), world, 0)
+            auto = _auto_schedule(dummy, dummy, shard)
+            lines.append(
+                f"| {S // 1024}K | {world} | {mib(kv_row(S))} | {row['schedule']} | "
+                f"{mib(max(r['kept'] for r in per_rank))} | "
+                f"{mib(max(r['peak'] for r in per_rank))} | "
+                f"{mib(max(r['sent'] for r in per_rank))} | "
+                f"{max(r['wall'] for r in per_rank):.2f} | {auto} |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
 # ------------------------------------------------------------------------------- DP balance
 
 
@@ -350,9 +451,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rows, 32K only, no wall time")
     parser.add_argument("--wall-only", action="store_true", help="only the CPU wall times")
     parser.add_argument("--no-wall", action="store_true", help="skip the CPU wall times")
+    parser.add_argument(
+        "--memory-only", action="store_true", help="only ring vs all-gather: memory, bytes moved"
+    )
     args = parser.parse_args()
     if args.wall_only:
         print("\n".join(wall_table()))
+        return
+    if args.memory_only:
+        sizes = [16384, 32768] if args.quick else [16384, 32768, 65536, 131072]
+        print("\n".join(memory_table(sizes, [2, 4] if args.quick else [4, 8])))
         return
     head = [
         f"`python bench/context_parallel.py{' --quick' if args.quick else ''}`, "

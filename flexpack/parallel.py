@@ -27,7 +27,9 @@ S_l = S // W tokens per rank, H heads, D head dimension.
 
 from __future__ import annotations
 
+import hashlib
 import math
+from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -37,6 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "ContextShard",
+    "ContextStats",
     "ShardBalancer",
     "context_parallel_attention",
     "shard_block_mask",
@@ -46,6 +49,8 @@ __all__ = [
 Balance = Literal["work", "head_tail", "contiguous"]
 _BALANCES = ("work", "head_tail", "contiguous")
 _MASKS = ("document_causal", "document")
+Schedule = Literal["auto", "all_gather", "ring"]
+_SCHEDULES = ("auto", "all_gather", "ring")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -61,19 +66,27 @@ def _token_work(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     tokens (``rank`` = earlier tokens of the same id), 0 and 0 on padding.
     """
     S = d.shape[0]
+    real_mask = d >= 0
+    starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]]) if S else np.zeros(0, np.int64)
+    run_ids = d[starts]
+    real_runs = run_ids[run_ids >= 0]
+    if np.unique(real_runs).size == real_runs.size:  # each document one run: the packer's rows
+        lengths = np.diff(np.r_[starts, S])
+        pos = np.arange(S, dtype=np.int64) - np.repeat(starts, lengths)
+        pos[~real_mask] = 0
+        return np.where(real_mask, pos + 1, 0), pos
     work = np.zeros(S, dtype=np.int64)
     pos = np.zeros(S, dtype=np.int64)
-    real = np.flatnonzero(d >= 0)
-    if real.size:
-        ids = d[real]
-        order = np.argsort(ids, kind="stable")  # by id, then position
-        sid = ids[order]
-        start = np.ones(sid.size, dtype=bool)
-        start[1:] = sid[1:] != sid[:-1]
-        first = np.flatnonzero(start)
-        rank = np.arange(sid.size) - np.repeat(first, np.diff(np.append(first, sid.size)))
-        pos[real[order]] = rank
-        work[real[order]] = rank + 1
+    real = np.flatnonzero(real_mask)
+    ids = d[real]
+    order = np.argsort(ids, kind="stable")  # by id, then position
+    sid = ids[order]
+    start = np.ones(sid.size, dtype=bool)
+    start[1:] = sid[1:] != sid[:-1]
+    first = np.flatnonzero(start)
+    rank = np.arange(sid.size) - np.repeat(first, np.diff(np.append(first, sid.size)))
+    pos[real[order]] = rank
+    work[real[order]] = rank + 1
     return work, pos
 
 
@@ -83,6 +96,9 @@ def _unit(per_rank: int, block_size: int) -> int:
         if per_rank % u == 0:
             return u
     return 1
+
+
+_SWAP_TOLERANCE = 2e-4
 
 
 def _deal_by_work(unit_work: np.ndarray, loads: np.ndarray) -> np.ndarray:
@@ -105,6 +121,8 @@ def _deal_by_work(unit_work: np.ndarray, loads: np.ndarray) -> np.ndarray:
     if W == 1:
         return owner
     for _ in range(4 * U):  # each pass strictly lowers max(loads) or stops
+        if loads.max() * W <= loads.sum() * (1 + _SWAP_TOLERANCE):
+            break  # even enough: the rest would cost more plan time than it saves
         m = int(np.argmax(loads))
         mine = np.flatnonzero(owner == m)
         best = None  # (new pair max, unit of m, unit of other)
@@ -148,38 +166,77 @@ class _Plan:
     rank_work: tuple[int, ...]
 
 
-def _plan(d: np.ndarray, world: int, balance: str, block_size: int) -> _Plan:
+_BALANCE_TARGET = 1.02  # finer blocks are dealt while the deal is further from even
+_MIN_UNIT = 8
+_PLANS: OrderedDict[tuple, _Plan] = OrderedDict()  # per layout: the last few plans
+_PLAN_CACHE_SIZE = 8
+
+
+def _plan(d: np.ndarray, world: int, balance: str, block_size: int, key: tuple) -> _Plan:
+    """The plan of a (B, S) batch, cached per layout (``key``: its fingerprint)."""
+    plan = _PLANS.get(key)
+    if plan is not None:
+        _PLANS.move_to_end(key)
+        return plan
+    per_row = [_token_work(row) for row in d]
+    work = np.stack([w for w, _ in per_row]) if per_row else d.astype(np.int64)
+    pos = np.stack([p for _, p in per_row]) if per_row else d.astype(np.int64)
     if balance != "work":
-        return _plan_one(d, world, balance, block_size)
-    # The greedy deal is a heuristic: on tiny rows a plain split can beat it. Keep the best.
-    plans = [_plan_one(d, world, b, block_size) for b in ("work", "head_tail", "contiguous")]
-    return min(plans, key=lambda p: max(p.rank_work))
+        plan = _plan_one(work, pos, world, balance, block_size)
+    else:
+        # The greedy deal is a heuristic: on tiny rows a plain split can beat it; on short rows
+        # 128-token blocks are too few to even out (4 per rank at S = 4K, W = 8): halve them
+        # while the deal is more than 2% off. Keep the best.
+        plans = [_plan_one(work, pos, world, b, block_size) for b in ("head_tail", "contiguous")]
+        per = d.shape[1] // world
+        unit = _unit(per, block_size)
+        while True:
+            plans.append(_plan_one(work, pos, world, "work", unit))
+            if _imbalance(plans[-1].rank_work) <= _BALANCE_TARGET or unit <= _MIN_UNIT:
+                break
+            finer = _unit(per, unit // 2)
+            if finer == unit:
+                break
+            unit = finer
+        plan = min(plans, key=lambda p: max(p.rank_work))
+    _PLANS[key] = plan
+    while len(_PLANS) > _PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan
 
 
-def _plan_one(d: np.ndarray, world: int, balance: str, block_size: int) -> _Plan:
-    B, S = d.shape
+def _imbalance(rank_work: tuple[int, ...]) -> float:
+    mean = sum(rank_work) / len(rank_work)
+    return max(rank_work) / mean if mean else 1.0
+
+
+def _plan_one(work: np.ndarray, pos: np.ndarray, world: int, balance: str, unit: int) -> _Plan:
+    """work, pos: (B, S) from :func:`_token_work`; ``unit`` tokens per dealt block ("work").
+
+    Every strategy deals whole units of the row (contiguous: S_l tokens, head-tail: S_l / 2),
+    so the all-gather order is built from the U unit owners, not by sorting S tokens."""
+    B, S = work.shape
     per = S // world
     gathered = np.empty((B, S), dtype=np.int64)
-    position_ids = np.empty((B, S), dtype=np.int64)
     loads = np.zeros(world, dtype=np.int64)
+    ranks = np.arange(world)
     for b in range(B):
-        work, position_ids[b] = _token_work(d[b])
         if balance == "contiguous":
-            owner = np.repeat(np.arange(world), per)
-        elif balance == "head_tail":
+            unit, owner = per, ranks
+        elif balance == "head_tail" and per % 2 == 0:
+            unit, owner = per // 2, np.r_[ranks, ranks[::-1]]
+        elif balance == "head_tail":  # an odd share: heads of per // 2, tails of per // 2 + 1
             h = per // 2
-            t = per - h
-            owner = np.empty(S, dtype=np.int64)
-            owner[: world * h] = np.repeat(np.arange(world), h)
-            owner[world * h :] = np.repeat(np.arange(world)[::-1], t)
+            unit, owner = 1, np.r_[np.repeat(ranks, h), np.repeat(ranks[::-1], per - h)]
         else:
-            unit = _unit(per, block_size)
-            unit_work = work.reshape(-1, unit).sum(1)
-            owner = np.repeat(_deal_by_work(unit_work, loads.copy()), unit)
-        # Every rank's positions in ascending order, ranks one after the other.
-        gathered[b] = np.argsort(owner, kind="stable")
-        loads += np.bincount(owner, weights=work, minlength=world).astype(np.int64)
-    return _Plan(gathered, position_ids, tuple(int(x) for x in loads))
+            unit = _unit(per, unit)
+            owner = _deal_by_work(work[b].reshape(-1, unit).sum(1), loads.copy())
+        # Every rank's units in ascending order, ranks one after the other.
+        order = np.argsort(owner, kind="stable")
+        gathered[b] = (order[:, None] * unit + np.arange(unit)).reshape(-1)
+        loads += np.bincount(owner, weights=work[b].reshape(-1, unit).sum(1), minlength=world
+                             ).astype(np.int64)  # fmt: skip
+    return _Plan(gathered, pos, tuple(int(x) for x in loads))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,12 +300,19 @@ class ContextShard:
     gathered_index: Tensor
     row_doc_ids: Tensor
     block_size: int = field(default=128, repr=False)
+    fingerprint: tuple[int, ...] = field(default=(), repr=False)
 
     @property
     def imbalance(self) -> float:
         """Largest rank work over the mean (1.0 is perfect; 1.0 when there is no work)."""
         mean = sum(self.rank_work) / len(self.rank_work)
         return max(self.rank_work) / mean if mean else 1.0
+
+    @property
+    def stats(self) -> ContextStats:
+        """What :func:`context_parallel_attention` ran with this shard: the schedule ("ring"
+        or "all_gather"), bytes sent, ring blocks skipped (a :class:`ContextStats`)."""
+        return _cached(self, ("stats",), ContextStats)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -298,6 +362,34 @@ class ContextShard:
         if list(out.shape) != want:
             raise ValueError(f"out has shape {tuple(out.shape)}; expected {tuple(want)}")
         return out.scatter(dim, _along(self._index_on(out.device), local, dim), local)
+
+    def next_token_targets(self, labels: Tensor) -> Tensor:
+        """This rank's next-token targets: (B, S_l) int64, ``labels[:, p + 1]`` for the token at
+        row position p when p + 1 is in the same document, else -100.
+
+        The shift happens on the full (B, S) row before sharding, since a token's target may
+        sit on another rank; the targets then go with the token, in ``index`` order, as
+        ``packed_cross_entropy``'s labels would after its own shift.
+
+        Example:
+            >>> d = torch.tensor([[0, 0, 0, 1, 1, -1]])
+            >>> s = shard_context(d, 2, 1, balance="contiguous")  # positions 3, 4, 5
+            >>> s.next_token_targets(torch.tensor([[-100, 11, 12, -100, 14, -100]]))
+            tensor([[  14, -100, -100]])
+        """
+        if not isinstance(labels, Tensor) or labels.is_floating_point():
+            got = labels.dtype if isinstance(labels, Tensor) else type(labels).__name__
+            raise TypeError(f"labels must be an integer tensor, got {got}")
+        if tuple(labels.shape) != self.shape:
+            raise ValueError(
+                f"labels has shape {tuple(labels.shape)}; expected the full rows {self.shape} "
+                "(the targets are shifted before sharding)"
+            )
+        d = self.row_doc_ids.to(labels.device)
+        same = (d[:, 1:] == d[:, :-1]) & (d[:, 1:] >= 0)
+        target = torch.full(self.shape, -100, dtype=torch.int64, device=labels.device)
+        target[:, :-1] = labels[:, 1:].long().masked_fill(~same, -100)
+        return self.take(target)
 
     def gather(self, local: Tensor, dim: int = 1, *, group: Any = None) -> Tensor:
         """The full (B, S, ...) tensor from every rank's (B, S_l, ...) share, in row order.
@@ -373,16 +465,22 @@ def shard_context(
       document-causal mask allows its queries (a query at position i of its document: i + 1);
       blocks are dealt heaviest first to the least-loaded rank, one per rank per round, then
       swapped pairwise while that lowers the largest load (and the plain splits below are
-      taken instead where they happen to be more even: tiny rows). Within 0.1% of the mean on
+      taken instead where they happen to be more even: tiny rows). Where 128-token blocks are
+      too few to even out (4 per rank at S = 4K over 8 ranks), blocks of half the size are
+      dealt while the deal is more than 2% off, down to 8 tokens. Within 0.1% of the mean on
       32K and 128K rows of lognormal documents with one long one, at 2-8 ranks, where a
-      contiguous split is 1.2-4.2x and head-tail 1.2-2.6x (bench/context_parallel.py). Rows
-      are dealt in turn with the loads carried over, so the batch balances as a whole.
+      contiguous split is 1.2-4.2x and head-tail 1.2-2.6x, and within 3% on every 4K and 8K
+      row of the bundled corpus (bench/context_parallel.py). Rows are dealt in turn with the
+      loads carried over, so the batch balances as a whole.
     - ``"head_tail"``: rank r holds chunk r and chunk 2W - 1 - r of 2W equal chunks (torch's
       ``_HeadTailLoadBalancer``; balanced for one causal document, not for many).
     - ``"contiguous"``: rank r holds tokens ``r * S_l .. (r + 1) * S_l - 1``.
 
     The plan is computed on the host (one device-to-host copy of ``doc_ids``) and is the same
-    on every rank: call it with the same ``doc_ids`` everywhere.
+    on every rank: call it with the same ``doc_ids`` everywhere (the first collective on the
+    shard checks that, once: ranks that disagree raise a ValueError). The last few plans are
+    cached per layout (a hash of ``doc_ids`` and the arguments), so a layout seen again costs
+    the hash alone.
 
     Args:
         doc_ids: (B, S) or (S,) int; -1 (any negative) marks padding. A document is all tokens
@@ -447,11 +545,12 @@ def shard_context(
         )
     device = doc_ids.device
     d = doc_ids.detach().cpu().numpy().astype(np.int64)  # the one host sync
-    plan = _plan(d, world_size, balance, block_size)
+    fingerprint = _fingerprint(d, world_size, balance, block_size)
+    plan = _plan(d, world_size, balance, block_size, fingerprint)
     per = S // world_size
     mine = plan.gathered[:, rank * per : (rank + 1) * per]
     rows = np.arange(B)[:, None]
-    work = _token_work_rows(d, mine)
+    work = int(np.where(d[rows, mine] >= 0, plan.position_ids[rows, mine] + 1, 0).sum())
 
     parts = [
         mine,
@@ -473,6 +572,7 @@ def shard_context(
         gathered_index=gathered,
         row_doc_ids=row_ids,
         block_size=block_size,
+        fingerprint=fingerprint,
     )
 
 
@@ -489,10 +589,6 @@ def _to_device(parts: list[np.ndarray], device: torch.device) -> list[Tensor]:
         out.append(flat[start : start + a.size].view(a.shape))
         start += a.size
     return out
-
-
-def _token_work_rows(d: np.ndarray, positions: np.ndarray) -> int:
-    return int(sum(_token_work(d[b])[0][positions[b]].sum() for b in range(d.shape[0])))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,27 +640,469 @@ class _AllGatherSeq(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, dim: int, group: Any, world: int) -> Tensor:
-        ctx.dim, ctx.group, ctx.world = dim, group, world
+    def forward(ctx: Any, x: Tensor, dim: int, group: Any, world: int, stats: Any) -> Tensor:
+        ctx.dim, ctx.group, ctx.world, ctx.stats = dim, group, world, stats
         xs = x.movedim(dim, 0).contiguous()  # ranks' shares concatenate along dim 0
         out = xs.new_empty((world * xs.shape[0], *xs.shape[1:]))
         _gather_into(out, xs, group)
+        if stats is not None:
+            stats.bytes_sent += (world - 1) * xs.numel() * xs.element_size()
         return out.movedim(0, dim)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         gs = grad.movedim(ctx.dim, 0).contiguous()
         out = gs.new_empty((gs.shape[0] // ctx.world, *gs.shape[1:]))
         _reduce_scatter_into(out, gs, ctx.group)
-        return out.movedim(0, ctx.dim), None, None, None
+        if ctx.stats is not None:
+            ctx.stats.bytes_sent += (ctx.world - 1) * out.numel() * out.element_size()
+        return out.movedim(0, ctx.dim), None, None, None, None
 
 
-def _all_gather(x: Tensor, dim: int, group: Any, shard: ContextShard) -> Tensor:
+def _all_gather(
+    x: Tensor, dim: int, group: Any, shard: ContextShard, stats: ContextStats | None = None
+) -> Tensor:
     """(.., S_l, ..) on each rank -> (.., S, ..) in all-gather order, differentiable."""
     sizes = _group_size_rank(group, shard)
     if sizes is None:
         return x
-    return _AllGatherSeq.apply(x, dim, group, sizes[0])
+    _check_agree(shard, group, x.device)
+    return _AllGatherSeq.apply(x, dim, group, sizes[0], stats)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking that the ranks agree (once per shard and group)
+# ---------------------------------------------------------------------------------------------
+
+_FINGERPRINT = ("S (tokens per row)", "B (rows)", "world_size", "balance", "block_size",
+                "doc_ids")  # fmt: skip
+
+
+def _fingerprint(d: np.ndarray, world: int, balance: str, block_size: int) -> tuple[int, ...]:
+    """What every rank of a group must agree on: the shape, the plan's knobs, a hash of ids."""
+    digest = hashlib.blake2b(np.ascontiguousarray(d).tobytes(), digest_size=7).digest()
+    B, S = d.shape
+    return (S, B, world, _BALANCES.index(balance), block_size, int.from_bytes(digest, "little"))
+
+
+def _check_agree(shard: ContextShard, group: Any, device: torch.device) -> None:
+    """All-gather the shard's fingerprint (8 int64 per rank) and raise a ValueError on every
+    rank when they differ: ranks with different S would abort inside the collective (gloo
+    SIGABRT) and ranks with different doc_ids would run with wrong keys, silently."""
+    key = ("agreed", id(group))
+    if _cached(shard, key, lambda: False):
+        return
+    W = shard.world_size
+    mine = torch.tensor(shard.fingerprint, dtype=torch.int64, device=device)
+    every = mine.new_empty(W * mine.numel())
+    _gather_into(every, mine, group)
+    every = every.view(W, -1).cpu().tolist()
+    for r, theirs in enumerate(every):
+        if tuple(theirs) == shard.fingerprint:
+            continue
+        i = next(
+            i for i, (a, b) in enumerate(zip(shard.fingerprint, theirs, strict=True)) if a != b
+        )
+        what, me = _FINGERPRINT[i], shard.rank
+        if what == "doc_ids":
+            detail = f"rank {r} and rank {me} passed different doc_ids of one shape {shard.shape}"
+        elif what == "balance":
+            detail = (f"rank {r} has balance={_BALANCES[theirs[i]]!r}, rank {me} has "
+                      f"{shard.balance!r}")  # fmt: skip
+        else:
+            detail = f"rank {r} has {what} = {theirs[i]}, rank {me} has {shard.fingerprint[i]}"
+        raise ValueError(
+            f"the ranks of the context-parallel group built their shards from different "
+            f"batches: {detail}; every rank of a CP group must call shard_context with the same "
+            "doc_ids (the group reads one batch: broadcast it from one rank, or seed the data "
+            "loader by the data-parallel rank only) and the same world_size, balance and "
+            "block_size"
+        )
+    shard.__dict__["_cache"][key] = True
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring (pass-KV) schedule: K/V blocks travel, queries stay; partial results merge by LSE
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ContextStats:
+    """What :func:`context_parallel_attention` ran with one shard (counters, this rank).
+
+    Attributes:
+        schedule: the last call's schedule, "all_gather" or "ring" (None before any call).
+        calls: calls per schedule.
+        bytes_sent: bytes of keys, values and their gradients this rank sent, forward and
+            backward (an all-gather or reduce-scatter counts ``(W - 1) / W`` of its tensor:
+            what each rank sends in a ring all-gather).
+        blocks_skipped: ring steps (forward or backward) whose K/V block met none of this
+            rank's queries, so no attention ran for it.
+    """
+
+    schedule: str | None = None
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes_sent: int = 0
+    blocks_skipped: int = 0
+
+
+@dataclass(frozen=True)
+class _RingPlan:
+    """Tiles of one rank's ring: its queries and every source rank's keys regrouped by
+    (row, document, position); tile (q0, q1, k0, k1, masked) of source s attends queries
+    q0:q1 (of ``query_perm``) to keys k0:k1 (of ``key_perm[s]``), with the causal mask
+    ``key_pos <= query_pos`` where ``masked`` (else every pair is allowed)."""
+
+    query_perm: Tensor  # (Tq,) positions in the flattened (B * S_l,) local queries
+    query_pos: Tensor  # (Tq,) position of each in its document
+    key_perm: list[Tensor]  # per source rank: (Tk_s,) positions in its (B * S_l,) keys
+    key_pos: list[Tensor]
+    tiles: list[list[tuple[int, int, int, int, bool]]]  # per source rank
+    heads: int = 1
+
+
+_TILE_ROWS = 256  # queries per causal tile: bounds its mask to 256 x (keys between them)
+_TILE_ELEMENTS = 1 << 19  # score elements per step of the math path (softcap, not CPU)
+
+
+def _groups(b: np.ndarray, doc: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Real tokens sorted by (row, doc, pos): the order and each (row, doc) run's bounds."""
+    order = np.lexsort((pos, doc, b))
+    key = b[order] * (1 << 40) + doc[order]
+    start = np.flatnonzero(np.r_[True, key[1:] != key[:-1]]) if key.size else np.zeros(0, int)
+    end = np.r_[start[1:], key.size].astype(np.int64)
+    return order, key[start] if key.size else key, start, end
+
+
+def _ring_plan(shard: ContextShard, causal: bool, heads: int, device: torch.device) -> _RingPlan:
+    d = shard.row_doc_ids.cpu().numpy()
+    gathered = shard.gathered_index.cpu().numpy()
+    B, S = d.shape
+    W, per = shard.world_size, S // shard.world_size
+    pos_rows = np.stack([_token_work(d[b])[1] for b in range(B)]) if B else d
+    rows = np.arange(B)[:, None]
+
+    def side(rank: int):
+        idx = gathered[:, rank * per : (rank + 1) * per]
+        ids, pos = d[rows, idx].reshape(-1), pos_rows[rows, idx].reshape(-1)
+        b = np.repeat(np.arange(B), per)
+        real = np.flatnonzero(ids >= 0)
+        order, keys, start, end = _groups(b[real], ids[real], pos[real])
+        return real[order], pos[real][order], keys, start, end
+
+    q_perm, q_pos, q_keys, q_start, q_end = side(shard.rank)
+    key_perm, key_pos, tiles = [], [], []
+    for src in range(W):
+        k_perm, k_pos, k_keys, k_start, k_end = side(src)
+        key_perm.append(torch.from_numpy(k_perm.astype(np.int64)).to(device))
+        key_pos.append(torch.from_numpy(k_pos.astype(np.int64)).to(device))
+        found = np.searchsorted(k_keys, q_keys)
+        mine = []
+        for g in range(q_keys.size):
+            j = found[g]
+            if j >= k_keys.size or k_keys[j] != q_keys[g]:
+                continue  # this document has no key on rank src
+            k0, k1 = int(k_start[j]), int(k_end[j])
+            kp = k_pos[k0:k1]
+            q0, q1 = int(q_start[g]), int(q_end[g])
+            if not causal:
+                mine.append((q0, q1, k0, k1, False))
+                continue
+            for a in range(q0, q1, _TILE_ROWS):
+                b_ = min(a + _TILE_ROWS, q1)
+                n = int(np.searchsorted(kp, q_pos[b_ - 1], side="right"))  # keys <= last query
+                full = int(np.searchsorted(kp, q_pos[a], side="right"))  # keys <= first query
+                if full:  # every query of the chunk sees these: no mask
+                    mine.append((a, b_, k0, k0 + full, False))
+                if n > full:  # the few keys between the chunk's queries: masked
+                    mine.append((a, b_, k0 + full, k0 + n, True))
+        tiles.append(mine)
+    as_t = lambda a: torch.from_numpy(a.astype(np.int64)).to(device)
+    return _RingPlan(as_t(q_perm), as_t(q_pos), key_perm, key_pos, tiles, heads)
+
+
+def _tile_scores(qt: Tensor, kt: Tensor, scale: float, softcap: float | None):
+    """qt (Hkv, G*m, D), kt (Hkv, n, D) -> scores (Hkv, G*m, n) and tanh for softcap."""
+    s = torch.matmul(qt, kt.transpose(-1, -2)) * scale
+    if softcap is None:
+        return s, None
+    t = torch.tanh(s / softcap)
+    return t * softcap, t
+
+
+def _tile_allowed(plan: _RingPlan, src: int, tile: tuple) -> Tensor:
+    """(m, n) bool: the causal mask of a masked tile (key position <= query position)."""
+    q0, q1, k0, k1, _ = tile
+    return plan.key_pos[src][None, k0:k1] <= plan.query_pos[q0:q1, None]
+
+
+def _fold(x: Tensor, Hkv: int) -> Tensor:
+    """(Hq, m, D) -> (Hkv, G * m, D): query heads of one kv head side by side."""
+    Hq, m, D = x.shape
+    return x.reshape(Hkv, (Hq // Hkv) * m, D)
+
+
+def _unfold(x: Tensor, Hq: int) -> Tensor:
+    Hkv, Gm, D = x.shape
+    return x.reshape(Hq, Gm * Hkv // Hq, D)
+
+
+def _use_kernel(x: Tensor, softcap: float | None) -> bool:
+    """The CPU flash kernel returns the LSE and has a backward that takes it: the ring's tiles
+    run through it (memory-efficient, in C++) except with softcap, which it does not take."""
+    return x.device.type == "cpu" and softcap is None and _cpu_flash() is not None
+
+
+def _cpu_flash():
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _kernel_tile(qh, kh, vh, plan, src, tile, G):
+    """Inputs of the CPU flash kernel for one tile: (1, Hq, m, D) q, (1, Hq, n, D) k, v (kv
+    heads repeated for GQA) and the additive mask or None."""
+    q0, q1, k0, k1, masked = tile
+    qt = qh[None, :, q0:q1]
+    kt, vt = kh[None, :, k0:k1], vh[None, :, k0:k1]
+    if G > 1:
+        kt, vt = kt.repeat_interleave(G, dim=1), vt.repeat_interleave(G, dim=1)
+    mask = None
+    if masked:
+        allowed = _tile_allowed(plan, src, tile)
+        mask = torch.zeros(allowed.shape, dtype=qh.dtype, device=qh.device)
+        mask.masked_fill_(~allowed, -math.inf)
+    return qt, kt, vt, mask
+
+
+def _merge(acc: Tensor, lse: Tensor, q0: int, q1: int, o: Tensor, t_lse: Tensor) -> None:
+    """Merge a partial (Hq, m, D) output and its (Hq, m) LSE into rows q0:q1, in place."""
+    old = lse[:, q0:q1]
+    new = torch.logaddexp(old, t_lse)
+    new_safe = torch.where(torch.isfinite(new), new, 0.0)
+    a, b = torch.exp(old - new_safe), torch.exp(t_lse - new_safe)
+    acc[:, q0:q1] = acc[:, q0:q1] * a[..., None] + o * b[..., None]
+    lse[:, q0:q1] = new
+
+
+def _ring_block_forward(qh, kv, plan, src, acc, lse, *, scale, softcap) -> bool:
+    """Merge this rank's queries' attention to one K/V block into (acc, lse) by LSE.
+
+    qh (Hq, Tq, D) permuted queries; kv (2, Hkv, B * S_l, D) the block in its rank's order;
+    acc (Hq, Tq, D), lse (Hq, Tq) accumulators (compute dtype), updated in place. Returns
+    False when no tile of this block meets the queries."""
+    tiles = plan.tiles[src]
+    if not tiles:
+        return False
+    Hq, Hkv = qh.shape[0], kv.shape[1]
+    G = Hq // Hkv
+    kh, vh = (kv[i].index_select(1, plan.key_perm[src]) for i in range(2))  # (Hkv, Tk, D)
+    kernel = _use_kernel(qh, softcap)
+    for tile in tiles:
+        q0, q1, k0, k1, masked = tile
+        if kernel:
+            qt, kt, vt, mask = _kernel_tile(qh, kh, vh, plan, src, tile, G)
+            o, t_lse = _cpu_flash()(qt, kt, vt, 0.0, False, attn_mask=mask, scale=scale)
+            o, t_lse = o[0], t_lse[0]
+            if masked:  # the kernel gives rows with no allowed key LSE 0, not -inf
+                sees = plan.key_pos[src][k0] <= plan.query_pos[q0:q1]
+                t_lse = torch.where(sees, t_lse, -math.inf)
+            _merge(acc, lse, q0, q1, o, t_lse)
+            continue
+        step = max(1, _TILE_ELEMENTS // max(1, Hq * (k1 - k0)))
+        for a in range(q0, q1, step):
+            sub = (a, min(a + step, q1), k0, k1, masked)
+            s, _ = _tile_scores(_fold(qh[:, sub[0] : sub[1]], Hkv), kh[:, k0:k1], scale, softcap)
+            if masked:
+                s = s.masked_fill(~_tile_allowed(plan, src, sub).repeat(G, 1), -math.inf)
+            t_lse = torch.logsumexp(s, dim=-1)  # (Hkv, G*m); -inf on rows with no key here
+            safe = torch.where(torch.isfinite(t_lse), t_lse, 0.0)
+            o = torch.matmul(torch.exp(s - safe[..., None]), vh[:, k0:k1])  # (Hkv, G*m, D)
+            _merge(acc, lse, sub[0], sub[1], _unfold(o, Hq), _unfold(t_lse[..., None], Hq)[..., 0])
+    return True
+
+
+def _ring_block_backward(qh, doh, acc, lse, delta, kv, plan, src, dq, *, scale, softcap):
+    """Gradients of this rank's loss w.r.t. one K/V block (and its part of dq, in place).
+
+    qh, doh, acc (Hq, Tq, D): queries, output gradient and merged output; lse, delta (Hq, Tq)
+    of the merged forward; kv (2, Hkv, B*S_l, D). Returns (2, Hkv, B*S_l, D) dk, dv in the
+    block's own order, or None (no tile)."""
+    tiles = plan.tiles[src]
+    if not tiles:
+        return None
+    Hq, Hkv = qh.shape[0], kv.shape[1]
+    G = Hq // Hkv
+    perm = plan.key_perm[src]
+    kh, vh = (kv[i].index_select(1, perm) for i in range(2))
+    dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
+    kernel = _use_kernel(qh, softcap)
+    backward = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    for tile in tiles:
+        q0, q1, k0, k1, masked = tile
+        if kernel:
+            qt, kt, vt, mask = _kernel_tile(qh, kh, vh, plan, src, tile, G)
+            gq, gk, gv = backward(
+                doh[None, :, q0:q1], qt, kt, vt, acc[None, :, q0:q1], lse[None, :, q0:q1],
+                0.0, False, attn_mask=mask, scale=scale,
+            )  # fmt: skip
+            dq[:, q0:q1] += gq[0]
+            n = k1 - k0
+            dk[:, k0:k1] += gk[0].view(Hkv, G, n, -1).sum(1)
+            dv[:, k0:k1] += gv[0].view(Hkv, G, n, -1).sum(1)
+            continue
+        step = max(1, _TILE_ELEMENTS // max(1, Hq * (k1 - k0)))
+        for a in range(q0, q1, step):
+            sub = (a, min(a + step, q1), k0, k1, masked)
+            r0, r1 = sub[0], sub[1]
+            qt, dot = _fold(qh[:, r0:r1], Hkv), _fold(doh[:, r0:r1], Hkv)
+            s, t = _tile_scores(qt, kh[:, k0:k1], scale, softcap)
+            p = torch.exp(s - _fold(lse[:, r0:r1, None], Hkv))  # (Hkv, G*m, n)
+            if masked:
+                p = p.masked_fill(~_tile_allowed(plan, src, sub).repeat(G, 1), 0.0)
+            dv[:, k0:k1] += torch.matmul(p.transpose(-1, -2), dot)
+            dp = torch.matmul(dot, vh[:, k0:k1].transpose(-1, -2))
+            ds = p * (dp - _fold(delta[:, r0:r1, None], Hkv))
+            if t is not None:
+                ds = ds * (1 - t * t)
+            ds = ds * scale
+            dq[:, r0:r1] += _unfold(torch.matmul(ds, kh[:, k0:k1]), Hq)
+            dk[:, k0:k1] += torch.matmul(ds.transpose(-1, -2), qt)
+    out = torch.zeros_like(kv)
+    out[0].index_copy_(1, perm, dk)
+    out[1].index_copy_(1, perm, dv)
+    return out
+
+
+class _Ring:
+    """Point-to-point passes around the group: send to rank + 1, receive from rank - 1, with
+    the next block in flight while the current one is computed (isend / irecv)."""
+
+    def __init__(self, group: Any, shard: ContextShard, stats: ContextStats) -> None:
+        W, r = shard.world_size, shard.rank
+        to_global = lambda x: x if group is None else torch.distributed.get_global_rank(group, x)
+        self.next, self.prev = to_global((r + 1) % W), to_global((r - 1) % W)
+        self.group, self.stats = group, stats
+
+    def start(self, send: Tensor, tag: int) -> tuple[Tensor, list]:
+        recv = torch.empty_like(send)
+        dist = torch.distributed
+        ops = [dist.P2POp(dist.isend, send, self.next, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group, tag)]  # fmt: skip
+        self.stats.bytes_sent += send.numel() * send.element_size()
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(works: list) -> None:
+        for w in works:
+            w.wait()
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+_RING_MIN_TOKENS = 16384  # CPU: below this many tokens per batch the all-gather is faster
+_RING_MIN_BYTES_CUDA = 1 << 30  # CUDA: ring only when the gathered K/V would pass 1 GiB
+
+
+def _auto_schedule(q: Tensor, k: Tensor, shard: ContextShard) -> str:
+    """The schedule ``schedule="auto"`` runs: "all_gather" on one rank, on short batches and
+    at two ranks (one collective beats W steps there, and the ring saves at most half of the
+    K/V); "ring" from four ranks on long batches, where the gathered K/V is the memory wall.
+    On CUDA the all-gather path runs compiled flex and the ring the tile loop, so the ring is
+    taken only when the gathered K/V of a layer would pass 1 GiB."""
+    W = shard.world_size
+    if W == 1:
+        return "all_gather"
+    B, S = shard.shape
+    if q.device.type == "cuda":
+        gathered = 2 * B * S * k.shape[1] * k.shape[3] * k.element_size()
+        return "ring" if gathered > _RING_MIN_BYTES_CUDA else "all_gather"
+    return "ring" if W >= 4 and B * S >= _RING_MIN_TOKENS else "all_gather"
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention of this rank's queries: K/V blocks pass W - 1 times around the group.
+
+    Forward: at step i this rank holds the block of rank (r - i) mod W, sends it on to r + 1
+    while attending its queries to it, and merges the partial outputs by their log-sum-exp.
+    Backward (as ring-flash-attention and torch's context parallel do): the blocks travel
+    again with their gradient accumulators; each rank adds its queries' share to the block's
+    dk, dv and passes them on, so after W passes each block's gradient is back home. Saved
+    for backward: this rank's q, k, v, output and LSE only, O(S / W).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, shard, group, causal, scale, softcap, stats):
+        B, Hq, S_l, D = q.shape
+        cd = _compute_dtype(q.dtype)
+        plan = _cached(shard, ("ring", causal, Hq, str(q.device)),
+                       lambda: _ring_plan(shard, causal, Hq, q.device))  # fmt: skip
+        qh = _heads(q).to(cd).index_select(1, plan.query_perm)  # (Hq, Tq, D)
+        kv = torch.stack([_heads(k), _heads(v)]).to(cd)  # (2, Hkv, B * S_l, D)
+        acc = qh.new_zeros(qh.shape)
+        lse = qh.new_full(qh.shape[:2], -math.inf)
+        W, r = shard.world_size, shard.rank
+        ring = _Ring(group, shard, stats) if W > 1 else None
+        for i in range(W):
+            works = []
+            if i < W - 1:
+                nxt, works = ring.start(kv, tag=0)
+            if not _ring_block_forward(qh, kv, plan, (r - i) % W, acc, lse,
+                                       scale=scale, softcap=softcap):  # fmt: skip
+                stats.blocks_skipped += 1
+            if works:
+                _Ring.wait(works)
+                kv = nxt
+        out = q.new_zeros(Hq, B * S_l, D, dtype=cd).index_copy(1, plan.query_perm, acc)
+        ctx.save_for_backward(q, k, v, acc, lse)
+        ctx.shard, ctx.group, ctx.causal, ctx.scale = shard, group, causal, scale
+        ctx.softcap, ctx.stats, ctx.plan = softcap, stats, plan
+        return out.reshape(Hq, B, S_l, D).transpose(0, 1).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, acc, lse = ctx.saved_tensors
+        shard, plan, stats = ctx.shard, ctx.plan, ctx.stats
+        B, Hq, S_l, D = q.shape
+        cd = acc.dtype
+        qh = _heads(q).to(cd).index_select(1, plan.query_perm)
+        doh = _heads(grad).to(cd).index_select(1, plan.query_perm)
+        delta = (doh * acc).sum(-1)  # (Hq, Tq): rowsum(dO * O) of the merged output
+        dq = torch.zeros_like(qh)
+        kv = torch.stack([_heads(k), _heads(v)]).to(cd)
+        W, r = shard.world_size, shard.rank
+        ring = _Ring(ctx.group, shard, stats) if W > 1 else None
+        kw = dict(scale=ctx.scale, softcap=ctx.softcap)
+        d_in, d_works = None, []  # the gradient accumulator arriving from rank r - 1
+        for i in range(W):
+            src = (r - i) % W
+            works = []
+            if i < W - 1:
+                nxt, works = ring.start(kv, tag=1)
+            mine = _ring_block_backward(qh, doh, acc, lse, delta, kv, plan, src, dq, **kw)
+            if mine is None:
+                stats.blocks_skipped += 1
+                mine = torch.zeros_like(kv)
+            if d_works:
+                _Ring.wait(d_works)
+                mine += d_in
+            if W > 1:
+                d_in, d_works = ring.start(mine, tag=2)  # on to the next holder
+            else:
+                d_in = mine
+            if works:
+                _Ring.wait(works)
+                kv = nxt
+        _Ring.wait(d_works)  # rank r - 1's last step: this rank's own block, complete
+        dq_rows = torch.zeros(Hq, B * S_l, D, dtype=cd, device=q.device)
+        dq_rows.index_copy_(1, plan.query_perm, dq)
+
+        def back(x: Tensor, like: Tensor) -> Tensor:
+            H = x.shape[0]
+            return x.reshape(H, B, S_l, D).transpose(0, 1).to(like.dtype)
+
+        return (back(dq_rows, q), back(d_in[0], k), back(d_in[1], v),
+                None, None, None, None, None, None)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
@@ -779,6 +1317,7 @@ def context_parallel_attention(
     scale: float | None = None,
     enable_gqa: bool = False,
     softcap: float | None = None,
+    schedule: Schedule = "auto",
 ) -> Tensor:
     """Attention of this rank's queries to the whole row's keys, under the document mask.
 
@@ -858,7 +1397,23 @@ def context_parallel_attention(
                 f"softcap must be a positive finite number (Gemma 2 uses 50.0), got {softcap}; "
                 "pass None for no soft-capping"
             )
-    k_all, v_all = (_all_gather(x, 2, group, shard) for x in (k, v))  # (B, Hkv, S, D)
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"schedule must be one of {_SCHEDULES}, got {schedule!r}")
+    if schedule == "auto":
+        schedule = _auto_schedule(q, k, shard)
+    stats = shard.stats
+    stats.schedule = schedule
+    stats.calls[schedule] = stats.calls.get(schedule, 0) + 1
+    if schedule == "ring":
+        if _group_size_rank(group, shard) is not None:
+            _check_agree(shard, group, q.device)
+        D = q.shape[-1]
+        return _RingAttention.apply(
+            q, k, v, shard, group, mask == "document_causal",
+            D**-0.5 if scale is None else float(scale),
+            None if softcap is None else float(softcap), stats,
+        )  # fmt: skip
+    k_all, v_all = (_all_gather(x, 2, group, shard, stats) for x in (k, v))  # (B, Hkv, S, D)
     if shard.world_size > 1:
         inverse = shard._inverse(q.device)
         k_all, v_all = (torch.gather(x, 2, _along(inverse, x, 2)) for x in (k_all, v_all))

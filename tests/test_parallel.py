@@ -6,6 +6,8 @@ test_parallel_distributed.py."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,69 @@ def test_local_attention_fp32_gqa_softcap() -> None:
         _check_all_ranks(d, world, "work", softcap=3.0, Hq=4, Hkv=1)
 
 
+def _ring_all_ranks(d, world, balance, *, causal, dtype, Hq, Hkv, softcap, block_size):
+    """Every rank's ring, in one process: each rank merges every rank's K/V block by LSE, and
+    each block's dk, dv sum over the ranks' backward steps (what the ring's passes add up)."""
+    from flexpack.parallel import (
+        _heads,
+        _ring_block_backward,
+        _ring_block_forward,
+        _ring_plan,
+    )
+
+    B, S = d.shape
+    q, k, v = _qkv(B, Hq, Hkv, S, 8, dtype)
+    ref = flexpack.attention(q, k, v, _mask(d, causal), enable_gqa=Hq != Hkv, softcap=softcap)
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * g).sum(), (q, k, v))
+    shards = [shard_context(d, world, r, balance=balance, block_size=block_size)
+              for r in range(world)]  # fmt: skip
+    kv = [torch.stack([_heads(s.take(k.detach(), dim=2)), _heads(s.take(v.detach(), dim=2))])
+          for s in shards]  # fmt: skip
+    dkv = [torch.zeros_like(x) for x in kv]
+    got_q = torch.zeros_like(q)
+    kw = dict(scale=8**-0.5, softcap=softcap)
+    for s in shards:
+        plan = _ring_plan(s, causal, Hq, q.device)
+        qh = _heads(s.take(q.detach(), dim=2)).index_select(1, plan.query_perm)
+        acc, lse = torch.zeros_like(qh), torch.full(qh.shape[:2], -math.inf, dtype=dtype)
+        for src in range(world):
+            _ring_block_forward(qh, kv[src], plan, src, acc, lse, **kw)
+        out = torch.zeros(Hq, B * (S // world), 8, dtype=dtype).index_copy(1, plan.query_perm, acc)
+        out = out.reshape(Hq, B, S // world, 8).transpose(0, 1)
+        torch.testing.assert_close(out, s.take(ref.detach(), dim=2), atol=1e-9, rtol=0)
+        doh = _heads(s.take(g, dim=2)).index_select(1, plan.query_perm)
+        delta = (doh * acc).sum(-1)
+        dq = torch.zeros_like(qh)
+        for src in range(world):
+            part = _ring_block_backward(qh, doh, acc, lse, delta, kv[src], plan, src, dq, **kw)
+            if part is not None:
+                dkv[src] += part
+        dq_rows = torch.zeros(Hq, B * (S // world), 8, dtype=dtype).index_copy(
+            1, plan.query_perm, dq
+        )
+        got_q = got_q + s.put(dq_rows.reshape(Hq, B, S // world, 8).transpose(0, 1),
+                              torch.zeros_like(q), dim=2)  # fmt: skip
+    torch.testing.assert_close(got_q, want[0], atol=1e-9, rtol=0)
+    for i, full in ((0, want[1]), (1, want[2])):
+        got = torch.zeros_like(full)
+        for s, x in zip(shards, dkv, strict=True):
+            local = x[i].reshape(Hkv, B, S // world, 8).transpose(0, 1)
+            got = got + s.put(local, torch.zeros_like(full), dim=2)
+        torch.testing.assert_close(got, full, atol=1e-9, rtol=0)
+
+
+@given(batches(max_world=4), st.booleans(), st.sampled_from([(2, 2, None), (4, 2, None),
+                                                            (4, 1, 3.0)]))  # fmt: skip
+def test_ring_blocks_merge_to_attention_on_every_rank(case, causal, heads) -> None:
+    """The ring's tiles (the CPU flash kernel, and the matmul tiles with softcap) against
+    flexpack.attention, forward and gradients in float64, on any layout and split."""
+    d, world, balance, block_size = case
+    Hq, Hkv, softcap = heads
+    _ring_all_ranks(d, world, balance, causal=causal, dtype=torch.float64, Hq=Hq, Hkv=Hkv,
+                    softcap=softcap, block_size=block_size)  # fmt: skip
+
+
 def test_one_rank_needs_no_process_group_and_matches_attention() -> None:
     d = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1]])
     s = shard_context(d, 1, 0)
@@ -220,6 +285,49 @@ def test_work_balance_within_3_percent_at_32k(median) -> None:
         contiguous = shard_context(d, world, 0, balance="contiguous")
         assert s.imbalance <= 1.03, (world, s.rank_work)
         assert s.imbalance <= contiguous.imbalance
+
+
+def _corpus_rows(S: int) -> list[torch.Tensor]:
+    """The bundled corpus (UTF-8 bytes as tokens) packed into rows of S, as doc ids."""
+    import json
+    from pathlib import Path
+
+    path = Path(flexpack.__file__).parent / "assets" / "corpus.jsonl"
+    with open(path, encoding="utf-8") as f:
+        lengths = np.array([len(json.loads(line)["text"].encode()) for line in f])
+    seg = flexpack.pack(lengths, S, overflow="split").segments
+    rows = []
+    for r in np.unique(seg[:, 0]):
+        n = seg[seg[:, 0] == r][:, 3] - seg[seg[:, 0] == r][:, 2]
+        ids = np.full(S, -1)
+        ids[: n.sum()] = np.repeat(np.arange(n.size), n)
+        rows.append(torch.from_numpy(ids)[None])
+    return rows
+
+
+@pytest.mark.parametrize("S", [4096, 8192])
+def test_work_balance_within_3_percent_on_short_rows(S) -> None:
+    """Every row of the bundled corpus and of lognormal documents, at 2, 4 and 8 ranks: 128
+    tokens per block are too few at 4K over 8 ranks (4 per rank), finer blocks are dealt."""
+    rng = np.random.default_rng(S)
+    rows = _corpus_rows(S)[::3] + [_lognormal_row(S, m, rng) for m in (300, 1000, 3000, 8000)]
+    for world in (2, 4, 8):
+        worst = max(shard_context(d, world, 0).imbalance for d in rows)
+        assert worst <= 1.03, (S, world, worst)
+
+
+def test_plans_are_cached_per_layout() -> None:
+    from flexpack import parallel
+
+    d = _lognormal_row(4096, 300, np.random.default_rng(5))
+    a, b = shard_context(d, 4, 0), shard_context(d.clone(), 4, 3)
+    key = a.fingerprint
+    assert key == b.fingerprint and key in parallel._PLANS  # one plan for the layout
+    assert torch.equal(a.gathered_index, b.gathered_index)
+    e = d.clone()
+    e[0, 100] = e[0, 99] + 1000  # another layout: another plan, not the cached one
+    assert shard_context(e, 4, 0).fingerprint != key
+    assert shard_context(d, 4, 0, balance="contiguous").fingerprint != key
 
 
 def test_batch_rows_balance_together() -> None:

@@ -1,6 +1,9 @@
-"""docs/context_parallel.md's torchrun script trains two steps on 2 CPU processes (gloo) at a small
-MAX_LEN, checking on the way that the ranks' summed loss is the one-process loss of the whole row.
-(The page's python blocks run in tests/test_docs.py, as every page's.)"""
+"""docs/context_parallel.md's torchrun scripts, launched as users launch them (torchrun, gloo on
+CPU) at small sizes: the tiny model's two steps on 2 ranks, checking on the way that the ranks'
+summed loss is the one-process loss of the whole row; and the long-context recipe, a tiny Llama
+(transformers) trained over 4 CP ranks with the chunked loss, equal to one process in every
+step's loss and the final weights. (The page's python blocks run in tests/test_docs.py, as every
+page's.)"""
 
 from __future__ import annotations
 
@@ -10,22 +13,38 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = (ROOT / "docs" / "context_parallel.md").read_text()
 
 
-def _blocks(info: str) -> list[str]:
-    return re.findall(rf"^```{info}\n(.*?)^```", PAGE, flags=re.S | re.M)
+def _script(name: str) -> str:
+    """The ```python torchrun block whose first line names the script."""
+    (script,) = [b for b in re.findall(r"^```python torchrun\n(.*?)^```", PAGE, flags=re.S | re.M)
+                 if b.startswith(f"# {name}")]  # fmt: skip
+    return script
+
+
+def _torchrun(tmp_path: Path, name: str, nproc: int, **env: str) -> str:
+    path = tmp_path / name
+    path.write_text(_script(name))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="",
+               **env)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(nproc), str(path)]  # fmt: skip
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout
 
 
 def test_torchrun_script_trains_on_two_gloo_ranks(tmp_path) -> None:
-    (script,) = _blocks("python torchrun")
-    path = tmp_path / "train_cp.py"
-    path.write_text(script)
-    env = dict(os.environ, MAX_LEN="1024", CP="2", OMP_NUM_THREADS="1",
-               PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", str(path)]  # fmt: skip
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "step 1: loss" in run.stdout
+    out = _torchrun(tmp_path, "train_cp.py", 2, MAX_LEN="1024", CP="2")
+    assert "step 1: loss" in out
+
+
+def test_llama_recipe_over_four_cp_ranks_equals_one_process(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    out = _torchrun(tmp_path, "train_llama_cp.py", 4, MAX_LEN="2048", STEPS="4", SCHEDULE="ring")
+    assert "equal to one process: 4 losses and the final weights" in out
+    assert "peak resident memory per rank" in out
