@@ -323,26 +323,37 @@ def test_grpo_seam_on_the_fake_cuda_device(model_dir, tokenizer, tmp_path, fake_
     assert len(syncs) < 40, syncs
 
 
-def test_ddp_wrapped_model_takes_trls_path(model_dir, tokenizer, tmp_path):
-    """DDP syncs gradients only through its own forward, which the tree forward would bypass:
-    a DDP-wrapped model takes TRL's path (exact), with a warning, never silently unsynced."""
+def test_ddp_wrapped_model_runs_trees_through_ddps_forward(model_dir, tokenizer, tmp_path):
+    """A DDP-wrapped model runs the tree forward inside DDP's own forward (its reducer is
+    prepared, as after any forward of its own); values and gradients as TRL's. Two ranks:
+    tests/test_trl_distributed.py."""
     import socket
 
     import torch.distributed as dist
 
     trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    trainer.model.gradient_checkpointing_disable()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
+        calls = []
+        ddp.register_forward_pre_hook(lambda *_: calls.append(1))
         ids, mask, C = rl_batch()
-        with pytest.warns(UserWarning, match="DistributedDataParallel"), torch.no_grad():
-            lp, _, _ = trainer._get_per_token_logps_and_entropies(ddp, ids, mask, C)
-            want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer, ddp, ids, mask, C
-            )
-        assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+        grads = []
+        theirs = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)
+        for fn in (trainer._get_per_token_logps_and_entropies, theirs):
+            ddp.zero_grad()
+            lp, _, _ = fn(ddp, ids, mask, C)
+            lp.sum().backward()
+            grads.append((lp.detach(), [p.grad.clone() for p in ddp.parameters()]))
+        (lp, got), (want_lp, want) = grads
+        torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert len(calls) == 2  # DDP's forward ran for both
+        assert trainer.flexpack_stats.calls == 1 and trainer.flexpack_stats.fallbacks == 0
     finally:
         dist.destroy_process_group()
