@@ -226,18 +226,28 @@ def dpo_data(n=6, seed=0):
     return datasets.Dataset.from_dict(rows)
 
 
-def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path):
+@pytest.mark.parametrize("precompute", [False, True])
+def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path, precompute):
+    """With ``precompute_ref_log_probs`` the reference log-probs are computed at construction
+    (through the trees too), cached in the dataset, and read back by the loss."""
     runs = {}
     for name, cls in (("trl", trl.DPOTrainer), ("flexpack", ftrl.DPOTrainer)):
         args = trl.DPOConfig(
             output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=2,
             gradient_accumulation_steps=2, use_cpu=True, bf16=False, report_to=[], seed=0,
             logging_steps=1, save_strategy="no", learning_rate=1e-2, beta=0.1,
+            precompute_ref_log_probs=precompute, precompute_ref_batch_size=4,
         )  # fmt: skip
         trainer = cls(
             model=tiny(), ref_model=tiny(), args=args, train_dataset=dpo_data(),
             processing_class=tokenizer,
         )  # fmt: skip
+        if precompute:
+            data = trainer.train_dataset
+            ref = list(data["ref_chosen_logps"]) + list(data["ref_rejected_logps"])
+            runs[name + "-ref"] = torch.tensor(ref)
+            if name == "flexpack":  # 6 pairs in batches of 4: two tree forwards
+                assert trainer.flexpack_stats.calls == 2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
@@ -253,6 +263,8 @@ def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path):
         torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
     assert ours.flexpack_stats.calls >= 4 and ours.flexpack_stats.fallbacks == 0
     assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
+    if precompute:
+        torch.testing.assert_close(runs["flexpack-ref"], runs["trl-ref"], atol=1e-4, rtol=0)
 
 
 def test_tree_path_never_holds_whole_batch_logits():

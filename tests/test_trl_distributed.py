@@ -6,7 +6,9 @@ compares, on every rank: per-step losses (1e-5), final weights (1e-4), weights e
 ranks (the ranks see other data, so this holds only if DDP reduced the gradients), and
 ``flexpack_stats.fallbacks == 0`` (every log-prob forward ran as trees, through DDP's forward).
 FSDP2 (``fully_shard`` by hand) compares the trainers' log-prob seams, values and reduced
-gradients, on sharded models with a tied, an untied and a separately sharded LM head.
+gradients, on sharded models with a tied, an untied and a separately sharded LM head, and FSDP1
+(``FullyShardedDataParallel``, ``use_orig_params=True``) the same once. (accelerate's FSDP
+plugin is not used: accelerate drops it on CPU processes, MULTI_CPU.)
 """
 
 from __future__ import annotations
@@ -96,13 +98,13 @@ def test_grpo_under_accelerate_launch_with_find_unused_parameters(tmp_path, mode
     check_trained_as_trl(results(tmp_path, "grpo"), find_unused=True)
 
 
-def test_fsdp2_by_hand_seams_equal_trls_on_sharded_heads(tmp_path, model_dir):
+def test_fsdp2_and_fsdp1_by_hand_seams_equal_trls_on_sharded_heads(tmp_path, model_dir):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 "--nproc-per-node", "2"]  # fmt: skip
     launch(torchrun, tmp_path, model_dir, "fsdp2")
     for rank in results(tmp_path, "fsdp2"):
-        for layout in ("untied", "tied", "lm_head_sharded"):
+        for layout in ("untied", "tied", "lm_head_sharded", "fsdp1"):
             r = rank[layout]
             assert max(r["logp_diff"]) < 1e-5, layout
             assert max(r["grad_diff"]) < 1e-4 * r["grad_norm"], layout  # reduced gradients
-            assert r["calls"] == 2 and r["fallbacks"] == 0, layout
+            assert r["calls"] == (1 if layout == "fsdp1" else 2) and r["fallbacks"] == 0, layout

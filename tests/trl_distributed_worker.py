@@ -199,7 +199,49 @@ def fsdp2(out: Path) -> dict:
             "calls": trainer.flexpack_stats.calls,
             "fallbacks": trainer.flexpack_stats.fallbacks,
         }
+    result["fsdp1"] = fsdp1(out)
     return result
+
+
+def fsdp1(out: Path) -> dict:
+    """The GRPO seam on an FSDP1 (FullyShardedDataParallel) model: one forward and backward."""
+    import functools
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+
+    rank = dist.get_rank()
+    model = tiny()
+    trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    args = trl.GRPOConfig(
+        output_dir=str(out / "fsdp1"), use_cpu=True, bf16=False, report_to=[],
+        per_device_train_batch_size=4, num_generations=4, beta=0.0,
+    )  # fmt: skip
+    trainer = ftrl.GRPOTrainer(
+        model=model, reward_funcs=reward, args=args, processing_class=tokenizer(),
+        train_dataset=datasets.Dataset.from_dict({"prompt": ["t1 t2"] * 4}),
+    )  # fmt: skip
+    layer = type(model.model.layers[0])
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={layer})
+    wrapped = FSDP(model, auto_wrap_policy=policy, device_id=torch.device("cpu"),
+                   use_orig_params=True)  # fmt: skip
+    ids, mask, C = rl_batch(seed=rank)
+    theirs = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)
+    runs = []
+    for fn in (theirs, trainer._get_per_token_logps_and_entropies):
+        wrapped.zero_grad()
+        lp, ent, _ = fn(wrapped, ids, mask, C, compute_entropy=True)
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        with FSDP.summon_full_params(wrapped, with_grads=True):
+            runs.append((lp.detach(), [p.grad.clone() for p in wrapped.parameters()]))
+    (want, want_g), (got, got_g) = runs
+    return {
+        "logp_diff": [(got - want).abs().max().item()],
+        "grad_diff": [max((a - b).abs().max().item() for a, b in zip(got_g, want_g, strict=True))],
+        "grad_norm": max(g.abs().max().item() for g in want_g),
+        "calls": trainer.flexpack_stats.calls,
+        "fallbacks": trainer.flexpack_stats.fallbacks,
+    }
 
 
 def main() -> None:

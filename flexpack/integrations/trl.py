@@ -125,6 +125,7 @@ _WRAPPERS = {  # containers whose forward calls the model inside: the attribute 
     "DataParallel": "module",
     "DeepSpeedEngine": "module",
     "OptimizedModule": "_orig_mod",  # torch.compile
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",  # FSDP1
 }
 
 
@@ -345,15 +346,6 @@ def _refuse_sharding(trainer: Any) -> None:
                 "parameter outside its own module's forward, and the tree forward's chunked LM "
                 "head reads lm_head.weight directly and again in backward. Use ZeRO-1/2, FSDP2 "
                 "(fsdp_version: 2 in the accelerate config), or trl's own trainer."
-            )
-    fsdp = getattr(accelerator.state, "fsdp_plugin", None)
-    if getattr(trainer, "is_fsdp_enabled", False) and fsdp is not None:
-        if getattr(fsdp, "fsdp_version", 1) != 2:
-            raise ValueError(
-                "flexpack's TRL trainers run under FSDP2 (torch.distributed.fsdp.fully_shard), "
-                "not FSDP1 (FullyShardedDataParallel): set fsdp_version: 2 in the accelerate "
-                "config (or fsdp_config={'fsdp_version': 2} in the training arguments), or use "
-                "trl's own trainer."
             )
 
 
