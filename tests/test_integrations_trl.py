@@ -369,3 +369,41 @@ def test_ddp_wrapped_model_runs_trees_through_ddps_forward(model_dir, tokenizer,
         assert trainer.flexpack_stats.calls == 1 and trainer.flexpack_stats.fallbacks == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_grpo_torch_compile_trains_as_trl_with_eager_tree_forwards(model_dir, tokenizer, tmp_path):
+    """args.torch_compile=True: accelerate compiles the prepared model (the "eager" dynamo
+    backend here, to keep the test fast); the tree forwards run eagerly around the compiled
+    wrapper, as the construction warning says, and training equals TRL's compiled run."""
+    runs = {}
+    over = dict(torch_compile=True, torch_compile_backend="eager", max_steps=1)
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, **over)
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer, caught)
+    (want, want_w, _, _), (got, got_w, ours, caught) = runs["trl"], runs["flexpack"]
+    assert type(ours.model_wrapped).__name__ == "OptimizedModule"
+    assert any("run eagerly" in str(w.message) for w in caught)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
+    assert ours.flexpack_stats.calls >= 3 and ours.flexpack_stats.fallbacks == 0
+
+
+def test_deepspeed_zero3_is_refused_by_name():
+    """ZeRO-3 partitions lm_head.weight outside the head's own forward, which the chunked head
+    reads directly (and again in backward): refused at construction, naming what to use.
+    (deepspeed is not installed here: the check reads what HF Trainer sets up, stood in.)"""
+    from types import SimpleNamespace
+
+    plugin = SimpleNamespace(zero_stage=3)
+    trainer = SimpleNamespace(
+        is_deepspeed_enabled=True,
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+    )
+    with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-3.*ZeRO-1/2, FSDP2"):
+        ftrl._refuse_sharding(trainer)
+    plugin.zero_stage = 2  # ZeRO-1/2 keep whole parameters: the engine's forward runs the trees
+    ftrl._refuse_sharding(trainer)

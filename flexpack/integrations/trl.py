@@ -302,6 +302,11 @@ def tree_logps(
             "(model.set_attn_implementation(flexpack.integrations.transformers.register())), "
             "as the trainers' train() does."
         )
+    while type(model).__name__ == "OptimizedModule":
+        # torch.compile'd (accelerate compiles the prepared model when args.torch_compile): the
+        # tree forward runs eagerly inside it; its host-side layout (segments, paths) and the
+        # per-instance attention switch would break the graph at every layer.
+        model = model._orig_mod
     request = _TreeRequest(
         trees, temperature=temperature, entropy=entropy, mean_logits=mean_logits,
         is_top1=is_top1, cast_lm_head_to_fp32=cast_lm_head_to_fp32, chunk_size=chunk_size,
@@ -370,6 +375,14 @@ class _TreeMixin:
         for model in (self.model, ref):
             if model is not None:
                 _install_tree_forward(_inner(_unwrapped(model)))
+        if getattr(self.args, "torch_compile", False):
+            warnings.warn(
+                "flexpack: args.torch_compile=True compiles TRL's other forwards (generation, "
+                "anything outside the log-probs); the tree log-prob forwards run eagerly, around "
+                "the compiled wrapper (on CUDA their attention is compiled flex_attention "
+                "either way).",
+                stacklevel=3,
+            )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``, with the policy's attention on flexpack's for its duration.
