@@ -144,6 +144,25 @@ def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp
     assert trainer.model.config._attn_implementation == "sdpa"
 
 
+def test_grpo_batch_size_chunks_as_trls(model_dir, tokenizer, tmp_path):
+    """TRL's batch_size (its chunking of the no-grad passes, to bound their peak): the rows are
+    packed and forwarded batch_size at a time, the same values as one call."""
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    ids, mask, C = rl_batch()
+    with torch.no_grad():
+        whole, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, C, batch_size=3, compute_entropy=True
+        )
+        want, want_ent, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, C, batch_size=3, compute_entropy=True
+        )
+    torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp, whole, atol=1e-5, rtol=0)
+    assert trainer.flexpack_stats.calls == 1 + 3  # 7 rows: chunks of 3, 3, 1
+
+
 def test_grpo_bf16_autocast_within_bf16_noise(model_dir, tokenizer, tmp_path):
     trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, bf16=True)
     ids, mask, C = rl_batch(1)
@@ -164,11 +183,28 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path):
-    """2 steps, beta > 0 (a reference model), num_iterations = 2, gradient accumulation 2."""
+@pytest.mark.parametrize(
+    "over",
+    # SGD for the second: Adam turns float noise on a ~0 gradient into a step of ~lr.
+    [
+        {},
+        dict(
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            steps_per_generation=2,
+            optim="sgd",
+            learning_rate=0.1,
+        ),
+    ],
+    ids=["iterations", "steps_per_generation"],
+)
+def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path, over):
+    """2 steps, beta > 0 (a reference model), num_iterations = 2, gradient accumulation 2; or
+    one generation for 2 steps (steps_per_generation = 2: the old policy's log-probs are
+    computed, in TRL's per-device batch_size chunks)."""
     runs = {}
     for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
-        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name)
+        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, **over)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
@@ -182,6 +218,8 @@ def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path):
     assert moved > 1e-3  # training changed the weights
     # policy (2 iterations), old policy and reference: all through trees, none fell back
     assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
+    if over:  # 8 rows of one generation: old and reference log-probs in 2 chunks each
+        assert ours.flexpack_stats.calls == 2 + 2 + 2
     assert ours.model.config._attn_implementation == "sdpa"  # restored after train()
 
 
