@@ -445,3 +445,43 @@ def test_deepspeed_zero3_is_refused_by_name():
         ftrl._refuse_sharding(trainer)
     plugin.zero_stage = 2  # ZeRO-1/2 keep whole parameters: the engine's forward runs the trees
     ftrl._refuse_sharding(trainer)
+
+
+def test_gpt2_positions_count_from_the_first_real_token_as_generate_does(tokenizer, tmp_path):
+    """Absolute positions (GPT-2): a tree counts a rollout's positions from its first real
+    token, as generate() does with a left-padded prompt (positions from the attention mask),
+    so the log-probs are those of the policy that sampled. TRL's padded forward passes no
+    position_ids, so its positions count the left padding: it agrees on unpadded rows only."""
+    config = transformers.GPT2Config(
+        vocab_size=V + 3, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=PAD,
+        eos_token_id=EOS, bos_token_id=EOS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    data = datasets.Dataset.from_dict({"prompt": ["t1 t2"] * 4})
+    trainer = ftrl.GRPOTrainer(
+        model=model, reward_funcs=reward, train_dataset=data,
+        args=grpo_args(tmp_path, beta=0.0), processing_class=tokenizer,
+    )  # fmt: skip
+    ids, mask, C = rl_batch()
+    prompts, pmask = ids[:, :-C], mask[:, :-C]
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            prompts, attention_mask=pmask, max_new_tokens=C, min_new_tokens=C, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=PAD,
+        )  # fmt: skip
+        completion = out.sequences[:, -C:]
+        sampled = torch.stack(out.logits, 1).log_softmax(-1)  # (B, C, V), before processors
+        sampled = sampled.gather(-1, completion[..., None])[..., 0]
+        ids = torch.cat([prompts, completion], 1)
+        mask = torch.cat([pmask, torch.ones_like(completion)], 1)
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+        theirs, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, ids, mask, C
+        )
+    torch.testing.assert_close(ours, sampled, atol=1e-5, rtol=0)
+    padded = (pmask == 0).any(1)
+    assert padded.any() and (~padded).any()
+    torch.testing.assert_close(theirs[~padded], sampled[~padded], atol=1e-5, rtol=0)
+    assert (theirs[padded] - sampled[padded]).abs().max() > 1e-2  # shifted by the padding
