@@ -11,11 +11,17 @@ DPO's per-token log-probs behind its chosen / rejected sums.
 
     >>> from flexpack.integrations.trl import GRPOTrainer  # was: from trl import GRPOTrainer
 
+The tree forward runs inside the model's own ``forward`` (given to the policy and the reference
+model per instance, as TRL's ``add_fused_lm_head`` gives its fused head: called with
+``flexpack_trees=``, it runs the trees; otherwise it is the forward the model had), through the
+model as TRL holds it, so a ``DistributedDataParallel``, FSDP2 or FSDP1 wrapper runs its own
+forward around it (gradient reduction, unsharding). DeepSpeed ZeRO-3 is refused at construction.
+
 The model may come with any ``attn_implementation``: each tree forward switches it to flexpack's
 on that model instance and back (``model.set_attn_implementation``), so generation and the
 rest of training keep the user's. Rows TRL pads some other way (multimodal inputs, MoE
-auxiliary losses, completion masks with holes, DDP / FSDP1 wrappers, DPO's WPO weighting) take
-TRL's own path, with a warning once. trl and transformers are imported lazily (extra ``trl``).
+auxiliary losses, completion masks with holes, DPO's WPO weighting) take TRL's own path, with a
+warning once. trl and transformers are imported lazily (extra ``trl``).
 
 Shape legend: B rows of TRL's batch, P prompt tokens, C completion tokens (``logits_to_keep``),
 S = P + C.
