@@ -20,13 +20,20 @@ bytes of tensors live at once during one step (torch's CPU profiler memory event
 optimizer state allocated before the step do not count). Times are medians of ``--repeats``
 interleaved runs.
 
-    python bench/rl.py [--prompts 2] [--pairs 4] [--repeats 3] [--threads 2]
+``--world 2`` runs the same on two CPU processes (gloo), each with its own batch (other
+prompts, same sizes), both sides' policies in ``DistributedDataParallel`` as HF Trainer wraps
+them (TRL's seams called with the DDP model, flexpack's through DDP's forward); times are the
+slowest rank's, peaks the largest rank's, tokens rank 0's. On 2 cores, world 2 runs 1 thread per
+rank against world 1's 2 threads.
+
+    python bench/rl.py [--prompts 2] [--pairs 4] [--repeats 3] [--threads 2] [--world 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import tempfile
 import time
@@ -138,8 +145,7 @@ def trainers(kind: str, side: str, workdir: Path):
     )  # fmt: skip
 
 
-def logp_fwd_bwd(trainer, kind, batch) -> None:
-    model = trainer.model
+def logp_fwd_bwd(trainer, kind, batch, model) -> None:
     if kind == "grpo":
         ids, mask, C = batch
         lp, ent, _ = trainer._get_per_token_logps_and_entropies(
@@ -157,14 +163,13 @@ def logp_fwd_bwd(trainer, kind, batch) -> None:
     caller(**kw, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum().backward()
 
 
-def step(trainer, kind, batch, optimizer) -> None:
-    model = trainer.model
+def step(trainer, kind, batch, optimizer, model) -> None:
     if kind == "grpo":
         ids, mask, C = batch
         with torch.no_grad():
             trainer._get_per_token_logps_and_entropies(model, ids, mask, C)  # old policy
             trainer._get_per_token_logps_and_entropies(trainer.ref_model, ids, mask, C)
-        logp_fwd_bwd(trainer, kind, batch)
+        logp_fwd_bwd(trainer, kind, batch, model)
     else:
         trainer.compute_loss(model, dict(batch)).backward()
     optimizer.step()
@@ -192,8 +197,91 @@ def tokens(trainer, kind, batch) -> int:
     return trainer.flexpack_stats.tree_tokens - before
 
 
-def batch_for(kind, args):
-    return grpo_batch(args.prompts) if kind == "grpo" else dpo_batch(args.pairs)
+def batch_for(kind, args, seed: int = 0):
+    return grpo_batch(args.prompts, seed) if kind == "grpo" else dpo_batch(args.pairs, seed)
+
+
+def measure(args, workdir: Path, rank: int = 0, world: int = 1) -> list:
+    """Both sides on both settings in this process (one rank of ``world``)."""
+    rows = []
+    for kind in ("grpo", "dpo"):
+        batch = batch_for(kind, args, seed=rank)
+        sides = {side: trainers(kind, side, workdir) for side in ("trl", "flexpack")}
+        models = {s: t.model for s, t in sides.items()}
+        if world > 1:  # as HF Trainer wraps the policy
+            models = {s: torch.nn.parallel.DistributedDataParallel(m) for s, m in models.items()}
+        opts = {s: torch.optim.AdamW(t.model.parameters(), lr=1e-6) for s, t in sides.items()}
+        times = {(s, w): [] for s in sides for w in ("logp", "step")}
+        for s, t in sides.items():  # warm-up
+            logp_fwd_bwd(t, kind, batch, models[s])
+            t.model.zero_grad()
+        for _ in range(args.repeats):
+            for s, t in sides.items():
+                t0 = time.perf_counter()
+                logp_fwd_bwd(t, kind, batch, models[s])
+                times[(s, "logp")].append(time.perf_counter() - t0)
+                t.model.zero_grad()
+                t0 = time.perf_counter()
+                step(t, kind, batch, opts[s], models[s])
+                times[(s, "step")].append(time.perf_counter() - t0)
+        result = {}
+        for s, t in sides.items():
+            run = functools.partial(step, t, kind, batch, opts[s], models[s])
+            result[s] = {
+                "tokens": tokens(t, kind, batch),
+                "logp": statistics.median(times[(s, "logp")]),
+                "step": statistics.median(times[(s, "step")]),
+                "peak": tensor_peak(run) / 2**20,
+                "fallbacks": getattr(t, "flexpack_stats", None) and t.flexpack_stats.fallbacks,
+            }
+        rows.append((kind, result))
+    return rows
+
+
+def rank_main(args) -> None:
+    """One rank under torchrun: measure, write this rank's rows to ``--workdir``."""
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    workdir = Path(args.workdir)
+    rows = measure(args, workdir, rank, world)
+    (workdir / f"rank{rank}.json").write_text(json.dumps(rows))
+    dist.barrier()  # no rank tears gloo down while another is in a collective
+    dist.destroy_process_group()
+
+
+def launch_ranks(args, workdir: Path) -> list:
+    """``--world`` processes with torchrun (as users launch them); their rows, by rank."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(args.world), __file__, *sys.argv[1:], "--workdir", str(workdir)]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    subprocess.run(cmd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return [json.loads((workdir / f"rank{r}.json").read_text()) for r in range(args.world)]
+
+
+def across_ranks(every: list) -> list:
+    """Slowest rank's times, largest rank's peak, rank 0's tokens."""
+    rows = []
+    for i, (kind, first) in enumerate(every[0]):
+        merged = {}
+        for side in first:
+            per = [ranks[i][1][side] for ranks in every]
+            merged[side] = {
+                "tokens": per[0]["tokens"],
+                "logp": max(r["logp"] for r in per),
+                "step": max(r["step"] for r in per),
+                "peak": max(r["peak"] for r in per),
+                "fallbacks": per[0]["fallbacks"],
+            }
+        rows.append((kind, merged))
+    return rows
 
 
 def main() -> None:
@@ -201,57 +289,44 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=2, help="GRPO prompts (x 8 completions)")
     parser.add_argument("--pairs", type=int, default=4, help="DPO pairs")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
+    parser.add_argument("--world", type=int, default=1, help="processes (gloo, DDP)")
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)  # set for the ranks it launches
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
+    if args.workdir is not None:
+        return rank_main(args)
     machine = describe()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         save_model(workdir / "model")
-        rows = []
-        for kind in ("grpo", "dpo"):
-            batch = batch_for(kind, args)
-            sides = {side: trainers(kind, side, workdir) for side in ("trl", "flexpack")}
-            opts = {s: torch.optim.AdamW(t.model.parameters(), lr=1e-6) for s, t in sides.items()}
-            times = {(s, w): [] for s in sides for w in ("logp", "step")}
-            for t in sides.values():  # warm-up
-                logp_fwd_bwd(t, kind, batch)
-                t.model.zero_grad()
-            for _ in range(args.repeats):
-                for s, t in sides.items():
-                    t0 = time.perf_counter()
-                    logp_fwd_bwd(t, kind, batch)
-                    times[(s, "logp")].append(time.perf_counter() - t0)
-                    t.model.zero_grad()
-                    t0 = time.perf_counter()
-                    step(t, kind, batch, opts[s])
-                    times[(s, "step")].append(time.perf_counter() - t0)
-            result = {}
-            for s, t in sides.items():
-                result[s] = {
-                    "tokens": tokens(t, kind, batch),
-                    "logp": statistics.median(times[(s, "logp")]),
-                    "step": statistics.median(times[(s, "step")]),
-                    "peak": tensor_peak(functools.partial(step, t, kind, batch, opts[s])) / 2**20,
-                }
-            rows.append((kind, result))
-    print(f"machine: {machine}; torch {torch.__version__}, {args.threads} threads")
-    print(f"GRPO: {args.prompts} prompts x G=8; DPO: {args.pairs} pairs; median of {args.repeats}")
-    print("| setting | path | tokens forwarded | logp fwd+bwd (s) | step (s) | step peak (MiB) |")
-    print("|---|---|---:|---:|---:|---:|")
+        if args.world == 1:
+            rows = measure(args, workdir)
+        else:
+            rows = across_ranks(launch_ranks(args, workdir))
+    end = os.getloadavg()[0]
+    print(f"machine: {machine}, load average {end:.1f} at end; torch {torch.__version__}, "
+          f"{args.threads} threads per process, world {args.world}")  # fmt: skip
+    print(f"GRPO: {args.prompts} prompts x G=8; DPO: {args.pairs} pairs (per rank); "
+          f"median of {args.repeats}")  # fmt: skip
+    print("| setting | world | path | tokens forwarded (per rank) | logp fwd+bwd (s) | step (s) "
+          "| step peak (MiB) |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|")
     for kind, result in rows:
         a, b = result["trl"], result["flexpack"]
+        assert not b["fallbacks"], "flexpack fell back to TRL's path"
         name = "GRPO" if kind == "grpo" else "DPO"
-        for side, r in (("TRL's own", a), ("flexpack trees", b)):
+        wrapped = " (DDP)" if args.world > 1 else ""
+        for side, r in ((f"TRL's own{wrapped}", a), (f"flexpack trees{wrapped}", b)):
             print(
-                f"| {name} | {side} | {r['tokens']:,} | {r['logp']:.3f} | {r['step']:.3f} | "
-                f"{r['peak']:.0f} |"
+                f"| {name} | {args.world} | {side} | {r['tokens']:,} | {r['logp']:.3f} | "
+                f"{r['step']:.3f} | {r['peak']:.0f} |"
             )
         print(
-            f"| {name} | **ratio TRL / flexpack** | **{a['tokens'] / b['tokens']:.2f}x** | "
-            f"**{a['logp'] / b['logp']:.2f}x** | **{a['step'] / b['step']:.2f}x** | "
-            f"{a['peak'] / max(b['peak'], 1):.2f}x |"
+            f"| {name} | {args.world} | **ratio TRL / flexpack** | "
+            f"**{a['tokens'] / b['tokens']:.2f}x** | **{a['logp'] / b['logp']:.2f}x** | "
+            f"**{a['step'] / b['step']:.2f}x** | {a['peak'] / max(b['peak'], 1):.2f}x |"
         )
 
 

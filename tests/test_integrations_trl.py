@@ -144,6 +144,25 @@ def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp
     assert trainer.model.config._attn_implementation == "sdpa"
 
 
+def test_grpo_batch_size_chunks_as_trls(model_dir, tokenizer, tmp_path):
+    """TRL's batch_size (its chunking of the no-grad passes, to bound their peak): the rows are
+    packed and forwarded batch_size at a time, the same values as one call."""
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    ids, mask, C = rl_batch()
+    with torch.no_grad():
+        whole, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, C, batch_size=3, compute_entropy=True
+        )
+        want, want_ent, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, trainer.model, ids, mask, C, batch_size=3, compute_entropy=True
+        )
+    torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lp, whole, atol=1e-5, rtol=0)
+    assert trainer.flexpack_stats.calls == 1 + 3  # 7 rows: chunks of 3, 3, 1
+
+
 def test_grpo_bf16_autocast_within_bf16_noise(model_dir, tokenizer, tmp_path):
     trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, bf16=True)
     ids, mask, C = rl_batch(1)
@@ -164,11 +183,28 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path):
-    """2 steps, beta > 0 (a reference model), num_iterations = 2, gradient accumulation 2."""
+@pytest.mark.parametrize(
+    "over",
+    # SGD for the second: Adam turns float noise on a ~0 gradient into a step of ~lr.
+    [
+        {},
+        dict(
+            num_iterations=1,
+            gradient_accumulation_steps=1,
+            steps_per_generation=2,
+            optim="sgd",
+            learning_rate=0.1,
+        ),
+    ],
+    ids=["iterations", "steps_per_generation"],
+)
+def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path, over):
+    """2 steps, beta > 0 (a reference model), num_iterations = 2, gradient accumulation 2; or
+    one generation for 2 steps (steps_per_generation = 2: the old policy's log-probs are
+    computed, in TRL's per-device batch_size chunks)."""
     runs = {}
     for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
-        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name)
+        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, **over)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
@@ -182,6 +218,8 @@ def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path):
     assert moved > 1e-3  # training changed the weights
     # policy (2 iterations), old policy and reference: all through trees, none fell back
     assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
+    if over:  # 8 rows of one generation: old and reference log-probs in 2 chunks each
+        assert ours.flexpack_stats.calls == 2 + 2 + 2
     assert ours.model.config._attn_implementation == "sdpa"  # restored after train()
 
 
@@ -226,18 +264,28 @@ def dpo_data(n=6, seed=0):
     return datasets.Dataset.from_dict(rows)
 
 
-def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path):
+@pytest.mark.parametrize("precompute", [False, True])
+def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path, precompute):
+    """With ``precompute_ref_log_probs`` the reference log-probs are computed at construction
+    (through the trees too), cached in the dataset, and read back by the loss."""
     runs = {}
     for name, cls in (("trl", trl.DPOTrainer), ("flexpack", ftrl.DPOTrainer)):
         args = trl.DPOConfig(
             output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=2,
             gradient_accumulation_steps=2, use_cpu=True, bf16=False, report_to=[], seed=0,
             logging_steps=1, save_strategy="no", learning_rate=1e-2, beta=0.1,
+            precompute_ref_log_probs=precompute, precompute_ref_batch_size=4,
         )  # fmt: skip
         trainer = cls(
             model=tiny(), ref_model=tiny(), args=args, train_dataset=dpo_data(),
             processing_class=tokenizer,
         )  # fmt: skip
+        if precompute:
+            data = trainer.train_dataset
+            ref = list(data["ref_chosen_logps"]) + list(data["ref_rejected_logps"])
+            runs[name + "-ref"] = torch.tensor(ref)
+            if name == "flexpack":  # 6 pairs in batches of 4: two tree forwards
+                assert trainer.flexpack_stats.calls == 2
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
@@ -253,6 +301,8 @@ def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path):
         torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
     assert ours.flexpack_stats.calls >= 4 and ours.flexpack_stats.fallbacks == 0
     assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
+    if precompute:
+        torch.testing.assert_close(runs["flexpack-ref"], runs["trl-ref"], atol=1e-4, rtol=0)
 
 
 def test_tree_path_never_holds_whole_batch_logits():
@@ -323,26 +373,115 @@ def test_grpo_seam_on_the_fake_cuda_device(model_dir, tokenizer, tmp_path, fake_
     assert len(syncs) < 40, syncs
 
 
-def test_ddp_wrapped_model_takes_trls_path(model_dir, tokenizer, tmp_path):
-    """DDP syncs gradients only through its own forward, which the tree forward would bypass:
-    a DDP-wrapped model takes TRL's path (exact), with a warning, never silently unsynced."""
+def test_ddp_wrapped_model_runs_trees_through_ddps_forward(model_dir, tokenizer, tmp_path):
+    """A DDP-wrapped model runs the tree forward inside DDP's own forward (its reducer is
+    prepared, as after any forward of its own); values and gradients as TRL's. Two ranks:
+    tests/test_trl_distributed.py."""
     import socket
 
     import torch.distributed as dist
 
     trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    trainer.model.gradient_checkpointing_disable()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
+        calls = []
+        ddp.register_forward_pre_hook(lambda *_: calls.append(1))
         ids, mask, C = rl_batch()
-        with pytest.warns(UserWarning, match="DistributedDataParallel"), torch.no_grad():
-            lp, _, _ = trainer._get_per_token_logps_and_entropies(ddp, ids, mask, C)
-            want, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
-                trainer, ddp, ids, mask, C
-            )
-        assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+        grads = []
+        theirs = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)
+        for fn in (trainer._get_per_token_logps_and_entropies, theirs):
+            ddp.zero_grad()
+            lp, _, _ = fn(ddp, ids, mask, C)
+            lp.sum().backward()
+            grads.append((lp.detach(), [p.grad.clone() for p in ddp.parameters()]))
+        (lp, got), (want_lp, want) = grads
+        torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        assert len(calls) == 2  # DDP's forward ran for both
+        assert trainer.flexpack_stats.calls == 1 and trainer.flexpack_stats.fallbacks == 0
     finally:
         dist.destroy_process_group()
+
+
+def test_grpo_torch_compile_trains_as_trl_with_eager_tree_forwards(model_dir, tokenizer, tmp_path):
+    """args.torch_compile=True: accelerate compiles the prepared model (the "eager" dynamo
+    backend here, to keep the test fast); the tree forwards run eagerly around the compiled
+    wrapper, as the construction warning says, and training equals TRL's compiled run."""
+    runs = {}
+    over = dict(torch_compile=True, torch_compile_backend="eager", max_steps=1)
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, **over)
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer, caught)
+    (want, want_w, _, _), (got, got_w, ours, caught) = runs["trl"], runs["flexpack"]
+    assert type(ours.model_wrapped).__name__ == "OptimizedModule"
+    assert any("run eagerly" in str(w.message) for w in caught)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
+    assert ours.flexpack_stats.calls >= 3 and ours.flexpack_stats.fallbacks == 0
+
+
+def test_deepspeed_zero3_is_refused_by_name():
+    """ZeRO-3 partitions lm_head.weight outside the head's own forward, which the chunked head
+    reads directly (and again in backward): refused at construction, naming what to use.
+    (deepspeed is not installed here: the check reads what HF Trainer sets up, stood in.)"""
+    from types import SimpleNamespace
+
+    plugin = SimpleNamespace(zero_stage=3)
+    trainer = SimpleNamespace(
+        is_deepspeed_enabled=True,
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+    )
+    with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-3.*ZeRO-1/2, FSDP2"):
+        ftrl._refuse_sharding(trainer)
+    plugin.zero_stage = 2  # ZeRO-1/2 keep whole parameters: the engine's forward runs the trees
+    ftrl._refuse_sharding(trainer)
+
+
+def test_gpt2_positions_count_from_the_first_real_token_as_generate_does(tokenizer, tmp_path):
+    """Absolute positions (GPT-2): a tree counts a rollout's positions from its first real
+    token, as generate() does with a left-padded prompt (positions from the attention mask),
+    so the log-probs are those of the policy that sampled. TRL's padded forward passes no
+    position_ids, so its positions count the left padding: it agrees on unpadded rows only."""
+    config = transformers.GPT2Config(
+        vocab_size=V + 3, n_embd=32, n_layer=2, n_head=4, n_positions=64, pad_token_id=PAD,
+        eos_token_id=EOS, bos_token_id=EOS,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    data = datasets.Dataset.from_dict({"prompt": ["t1 t2"] * 4})
+    trainer = ftrl.GRPOTrainer(
+        model=model, reward_funcs=reward, train_dataset=data,
+        args=grpo_args(tmp_path, beta=0.0), processing_class=tokenizer,
+    )  # fmt: skip
+    ids, mask, C = rl_batch()
+    prompts, pmask = ids[:, :-C], mask[:, :-C]
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(
+            prompts, attention_mask=pmask, max_new_tokens=C, min_new_tokens=C, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, pad_token_id=PAD,
+        )  # fmt: skip
+        completion = out.sequences[:, -C:]
+        sampled = torch.stack(out.logits, 1).log_softmax(-1)  # (B, C, V), before processors
+        sampled = sampled.gather(-1, completion[..., None])[..., 0]
+        ids = torch.cat([prompts, completion], 1)
+        mask = torch.cat([pmask, torch.ones_like(completion)], 1)
+        ours, _, _ = trainer._get_per_token_logps_and_entropies(model, ids, mask, C)
+        theirs, _, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+            trainer, model, ids, mask, C
+        )
+    torch.testing.assert_close(ours, sampled, atol=1e-5, rtol=0)
+    padded = (pmask == 0).any(1)
+    assert padded.any() and (~padded).any()
+    torch.testing.assert_close(theirs[~padded], sampled[~padded], atol=1e-5, rtol=0)
+    assert (theirs[padded] - sampled[padded]).abs().max() > 1e-2  # shifted by the padding

@@ -11,11 +11,17 @@ DPO's per-token log-probs behind its chosen / rejected sums.
 
     >>> from flexpack.integrations.trl import GRPOTrainer  # was: from trl import GRPOTrainer
 
+The tree forward runs inside the model's own ``forward`` (given to the policy and the reference
+model per instance, as TRL's ``add_fused_lm_head`` gives its fused head: called with
+``flexpack_trees=``, it runs the trees; otherwise it is the forward the model had), through the
+model as TRL holds it, so a ``DistributedDataParallel``, FSDP2 or FSDP1 wrapper runs its own
+forward around it (gradient reduction, unsharding). DeepSpeed ZeRO-3 is refused at construction.
+
 The model may come with any ``attn_implementation``: each tree forward switches it to flexpack's
 on that model instance and back (``model.set_attn_implementation``), so generation and the
 rest of training keep the user's. Rows TRL pads some other way (multimodal inputs, MoE
-auxiliary losses, completion masks with holes, DDP / FSDP1 wrappers, DPO's WPO weighting) take
-TRL's own path, with a warning once. trl and transformers are imported lazily (extra ``trl``).
+auxiliary losses, completion masks with holes, DPO's WPO weighting) take TRL's own path, with a
+warning once. trl and transformers are imported lazily (extra ``trl``).
 
 Shape legend: B rows of TRL's batch, P prompt tokens, C completion tokens (``logits_to_keep``),
 S = P + C.
@@ -24,7 +30,9 @@ S = P + C.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import types
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -118,12 +126,118 @@ def _logit_transform(model: Any) -> tuple[float, float | None]:
     return (1.0 if scale is None else float(scale)), softcap
 
 
-def _wrapped_by(model: Any) -> str | None:
-    """The name of a wrapper whose forward must run for gradients to be right, else None."""
-    for cls in type(model).__mro__:
-        if cls.__name__ in ("DistributedDataParallel", "FullyShardedDataParallel"):
-            return cls.__name__
-    return None
+_WRAPPERS = {  # containers whose forward calls the model inside: the attribute that holds it
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "DeepSpeedEngine": "module",
+    "OptimizedModule": "_orig_mod",  # torch.compile
+    "FullyShardedDataParallel": "_fsdp_wrapped_module",  # FSDP1
+}
+
+
+def _unwrapped(model: Any) -> Any:
+    """The model inside DDP / DeepSpeed / torch.compile containers (FSDP2 shards in place)."""
+    while type(model).__name__ in _WRAPPERS:
+        model = getattr(model, _WRAPPERS[type(model).__name__])
+    return model
+
+
+@dataclass(frozen=True, eq=False)
+class _TreeRequest:
+    """What a tree forward computes; passed as the ``flexpack_trees`` forward kwarg."""
+
+    trees: PaddedTrees
+    temperature: float = 1.0
+    entropy: bool = False
+    mean_logits: bool = False
+    is_top1: bool = False
+    cast_lm_head_to_fp32: bool = False
+    chunk_size: int = 1024
+    backend: str = "auto"
+
+
+def _run_trees(model: Any, request: _TreeRequest) -> dict[str, Tensor | None]:
+    """The tree forward of a transformers causal LM, run inside its ``forward``: the backbone
+    over the packed trees through flexpack attention, then the LM head in chunks."""
+    from flexpack.integrations.transformers import register
+
+    batch = request.trees.batch
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    # FSDP2: parameters of a module whose own forward has not run (an lm_head sharded by
+    # itself) are DTensor shards; gather them as TRL's fused head does (the gradient is
+    # reduce-scattered back by the gather's backward). Parameters of the root's group are
+    # unsharded for the whole forward (this one) and its backward.
+    if type(weight).__name__ == "DTensor":
+        weight = weight.full_tensor()
+        bias = None if bias is None else bias.full_tensor()
+    device = weight.device
+    if batch.input_ids.device != device:
+        batch = batch.to(device)
+    # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
+    # flex path, padded to a bucket length, so batches of new lengths do not recompile.
+    mask = batch.mask()
+    with _attn_implementation(model, register()):
+        out = model.base_model(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            flexpack_mask=mask,
+            flexpack_backend=request.backend,
+            use_cache=False,
+        )
+    hidden = out.last_hidden_state  # (R, S, H)
+    logit_scale, softcap = _logit_transform(model)
+    ctx: Any = contextlib.nullcontext()
+    if request.cast_lm_head_to_fp32:
+        hidden = hidden.float()
+        ctx = torch.autocast(device.type, enabled=False)
+    with ctx:
+        r = rollout_logps(
+            batch, hidden, weight, bias, temperature=request.temperature,
+            logit_scale=logit_scale, softcap=softcap, entropy=request.entropy,
+            mean_logits=request.mean_logits, is_top1=request.is_top1,
+            chunk_size=request.chunk_size,
+        )  # fmt: skip
+    # A dict of tensors: DDP (find_unused_parameters) and FSDP2 find the outputs in it.
+    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+
+
+def _install_tree_forward(model: Any) -> bool:
+    """Give ``model`` (a transformers causal LM) a forward that runs the trees when called with
+    ``flexpack_trees=`` and is the forward it had otherwise (TRL's fused head, accelerate's
+    autocast, generation: unchanged). Per instance, as TRL's ``add_fused_lm_head``; idempotent.
+    Returns whether it installed (False: already there)."""
+    if getattr(model.forward, "_flexpack_previous", None) is not None:
+        return False
+    previous = model.forward
+    own = model.__dict__.get("forward")  # an instance forward (TRL's, accelerate's) or None
+
+    # Keep the signature: generate() validates its model kwargs against it.
+    @functools.wraps(type(model).forward)
+    def forward(self: Any, *args: Any, flexpack_trees: _TreeRequest | None = None, **kwargs: Any):
+        if flexpack_trees is None:
+            return previous(*args, **kwargs)
+        # A PEFT model passes its own arguments on as None (input_ids=None, labels=None, ...).
+        given = [k for k, v in kwargs.items() if v is not None and k != "use_cache"]
+        if args or given:
+            raise TypeError(
+                f"a flexpack tree forward takes flexpack_trees only, got also "
+                f"{len(args)} positional and {given}."
+            )
+        return _run_trees(self, flexpack_trees)
+
+    forward._flexpack_previous = (own,)  # type: ignore[attr-defined]
+    model.forward = types.MethodType(forward, model)
+    return True
+
+
+def _remove_tree_forward(model: Any) -> None:
+    """Undo :func:`_install_tree_forward` (the instance forward it replaced comes back)."""
+    (own,) = model.forward._flexpack_previous
+    if own is None:
+        del model.forward
+    else:
+        model.forward = own
 
 
 def tree_logps(
@@ -147,8 +261,13 @@ def tree_logps(
     ``final_logit_softcapping``, then ``temperature``).
 
     Args:
-        model: a transformers ``*ForCausalLM`` (a PEFT model is unwrapped with
-            ``get_base_model``; its adapters stay active).
+        model: a transformers ``*ForCausalLM``, as it is called in training: bare, a PEFT
+            model (its adapters stay active), sharded by FSDP2's ``fully_shard``, or inside
+            ``DistributedDataParallel`` / ``torch.compile``. The forward runs through
+            ``model(...)``, so a wrapper's forward runs too (DDP reduces the gradients as
+            after any forward of its own); the tree forward is the model's ``forward`` for
+            that call (installed on the instance, then removed, unless the trainers installed
+            it for good).
         trees: from :func:`flexpack.trees.pack_padded`, on the model's device.
         temperature, entropy, mean_logits, is_top1, chunk_size: as in ``rollout_logps``.
         cast_lm_head_to_fp32: run the LM head in float32 outside autocast (TRL's option).
@@ -171,7 +290,7 @@ def tree_logps(
     from flexpack.integrations.transformers import register
 
     name = register()
-    inner = _inner(model)
+    inner = _inner(_unwrapped(model))
     checkpointing = (
         "is_activation_checkpointing"  # transformers >= 5.x; the older name warns there
         if hasattr(type(inner), "is_activation_checkpointing")
@@ -189,34 +308,25 @@ def tree_logps(
             "(model.set_attn_implementation(flexpack.integrations.transformers.register())), "
             "as the trainers' train() does."
         )
-    batch = trees.batch
-    device = inner.get_output_embeddings().weight.device
-    if batch.input_ids.device != device:
-        batch = batch.to(device)
-    # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
-    # flex path, padded to a bucket length, so batches of new lengths do not recompile.
-    mask = batch.mask()
-    with _attn_implementation(inner, name):
-        out = inner.base_model(
-            input_ids=batch.input_ids,
-            position_ids=batch.position_ids,
-            flexpack_mask=mask,
-            flexpack_backend=backend,
-            use_cache=False,
-        )
-    hidden = out.last_hidden_state  # (R, S, H)
-    head = inner.get_output_embeddings()
-    logit_scale, softcap = _logit_transform(inner)
-    ctx: Any = contextlib.nullcontext()
-    if cast_lm_head_to_fp32:
-        hidden = hidden.float()
-        ctx = torch.autocast(device.type, enabled=False)
-    with ctx:
-        return rollout_logps(
-            batch, hidden, head.weight, head.bias, temperature=temperature,
-            logit_scale=logit_scale, softcap=softcap, entropy=entropy,
-            mean_logits=mean_logits, is_top1=is_top1, chunk_size=chunk_size,
-        )  # fmt: skip
+    while type(model).__name__ == "OptimizedModule":
+        # torch.compile'd (accelerate compiles the prepared model when args.torch_compile): the
+        # tree forward runs eagerly inside it; its host-side layout (segments, paths) and the
+        # per-instance attention switch would break the graph at every layer.
+        model = model._orig_mod
+    request = _TreeRequest(
+        trees, temperature=temperature, entropy=entropy, mean_logits=mean_logits,
+        is_top1=is_top1, cast_lm_head_to_fp32=cast_lm_head_to_fp32, chunk_size=chunk_size,
+        backend=backend,
+    )  # fmt: skip
+    # Through the model's own __call__ (and its wrapper's: DDP's forward prepares the gradient
+    # reduction, FSDP2's hooks unshard and reshard), with the tree forward inside it.
+    installed = _install_tree_forward(inner)
+    try:
+        out = model(flexpack_trees=request)
+    finally:
+        if installed:
+            _remove_tree_forward(inner)
+    return RolloutLogps(**out)
 
 
 @dataclass
@@ -236,19 +346,49 @@ class TreeStats:
     padded_tokens: int = 0
 
 
+def _refuse_sharding(trainer: Any) -> None:
+    """Refuse, by name and at construction, the sharding wrappers the tree forward cannot run in."""
+    accelerator = trainer.accelerator
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if getattr(trainer, "is_deepspeed_enabled", False) and plugin is not None:
+        if plugin.zero_stage == 3:
+            raise ValueError(
+                "flexpack's TRL trainers do not run under DeepSpeed ZeRO-3: it partitions every "
+                "parameter outside its own module's forward, and the tree forward's chunked LM "
+                "head reads lm_head.weight directly and again in backward. Use ZeRO-1/2, FSDP2 "
+                "(fsdp_version: 2 in the accelerate config), or trl's own trainer."
+            )
+
+
 class _TreeMixin:
     """What the three trainers share: the construction check, the fallback warning, the stats."""
 
     #: ``flexpack.attention`` backend of the tree forwards (see :func:`tree_logps`).
     flexpack_backend: str = "auto"
 
+    def _flexpack_start(self) -> None:
+        """Before TRL's constructor, which may already forward (DPO's precomputed reference)."""
+        self.flexpack_stats = TreeStats()
+        self._flexpack_warned: set[str] = set()
+
     def _flexpack_init(self) -> None:
+        """After TRL's constructor: refuse what cannot run trees, install the tree forwards."""
+        _refuse_sharding(self)
         _check_switchable(self.model, "the model")
         ref = getattr(self, "ref_model", None)
         if ref is not None:
-            _check_switchable(ref, "the reference model")
-        self.flexpack_stats = TreeStats()
-        self._flexpack_warned: set[str] = set()
+            _check_switchable(_unwrapped(ref), "the reference model")
+        for model in (self.model, ref):
+            if model is not None:
+                _install_tree_forward(_inner(_unwrapped(model)))
+        if getattr(self.args, "torch_compile", False):
+            warnings.warn(
+                "flexpack: args.torch_compile=True compiles TRL's other forwards (generation, "
+                "anything outside the log-probs); the tree log-prob forwards run eagerly, around "
+                "the compiled wrapper (on CUDA their attention is compiled flex_attention "
+                "either way).",
+                stacklevel=3,
+            )
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """TRL's ``train``, with the policy's attention on flexpack's for its duration.
@@ -330,35 +470,36 @@ def _per_token_logps_and_entropies(
     if any(v is not None for v in multimodal.values()):
         self._flexpack_fallback("multimodal inputs (images) are not packed as trees")
         return fallback()
-    wrapper = _wrapped_by(model)
-    if wrapper is not None:
-        self._flexpack_fallback(f"the model is wrapped in {wrapper}, whose forward must run")
-        return fallback()
     C = int(logits_to_keep)
-    try:
-        trees = pack_padded(
-            input_ids[:, :-C], attention_mask[:, :-C], input_ids[:, -C:], attention_mask[:, -C:]
-        )
-    except ValueError as e:
-        self._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
-        return fallback()
-    self._flexpack_count(trees, tuple(input_ids.shape))
-    with self.accelerator.autocast():
-        r = tree_logps(
-            self.accelerator.unwrap_model(model),
-            trees,
-            temperature=self.temperature,
-            entropy=compute_entropy,
-            cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
-            backend=self.flexpack_backend,
-        )
-    logps = trees.scatter(r.logps)
-    entropies = trees.scatter(r.entropies) if compute_entropy else None
-    return logps, entropies, None
+    B = input_ids.shape[0]
+    step = batch_size or B  # TRL's chunking of the no-grad passes, to bound their peak
+    logps, entropies = [], []
+    for start in range(0, B, step):
+        ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
+        try:
+            trees = pack_padded(ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:])
+        except ValueError as e:
+            self._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
+            return fallback()
+        self._flexpack_count(trees, tuple(ids.shape))
+        with self.accelerator.autocast():
+            r = tree_logps(
+                model,
+                trees,
+                temperature=self.temperature,
+                entropy=compute_entropy,
+                cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+                backend=self.flexpack_backend,
+            )
+        logps.append(trees.scatter(r.logps))
+        if compute_entropy:
+            entropies.append(trees.scatter(r.entropies))
+    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
 def _grpo_like(base: type, name: str, doc: str) -> type:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._flexpack_start()
         base.__init__(self, *args, **kwargs)
         self._flexpack_init()
 
@@ -430,7 +571,7 @@ class _TreeCaller:
             return self.model(*args, **kwargs)
         self.trainer._flexpack_count(trees, tuple(input_ids.shape))
         r = tree_logps(
-            self.trainer.accelerator.unwrap_model(self.model), trees, entropy=self.extras,
+            self.model, trees, entropy=self.extras,
             mean_logits=self.extras, is_top1=self.extras, backend=self.trainer.flexpack_backend,
         )  # fmt: skip
         B, S = input_ids.shape
@@ -498,18 +639,13 @@ def _dpo_class() -> type:
         """
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._flexpack_start()
             base.__init__(self, *args, **kwargs)
             self._flexpack_init()
 
         def _trees_apply(self, model: Any) -> bool:
             if self.use_weighting:
                 self._flexpack_fallback("WPO weighting (use_weighting) needs log_sum_sq_probs")
-                return False
-            wrapper = _wrapped_by(model)
-            if wrapper is not None:
-                self._flexpack_fallback(
-                    f"the model is wrapped in {wrapper}, whose forward must run"
-                )
                 return False
             return True
 
