@@ -117,6 +117,9 @@ def _pass_padding_mask(
     ``sdpa_mask``, with the layer's causal or sliding-window rule and the cache offsets), which
     :func:`flexpack_attention_forward` then applies as is: generation matches ``sdpa``.
     """
+    from flexpack import mixers
+
+    mixers.adapt_caller(kwargs.get("config"))  # per-document state for recurrent / conv mixers
     whole_rows = q_length is None or (q_length == kv_length and not q_offset and not kv_offset)
     if whole_rows:
         return attention_mask

@@ -1,0 +1,330 @@
+"""Per-document state for the recurrent and convolutional token mixers of transformers models.
+
+A packed row holds several documents; attention keeps them apart through flexpack's mask, but a
+gated delta rule, a Mamba scan, a lightning-attention state or a short causal conv carries its
+state along the row, from one document into the next. :func:`adapt` makes every such mixer of a
+model start each document afresh, per model instance and reversibly (:func:`restore`):
+
+- each mixer module gets an instance-level ``forward`` (its class is untouched) that reads the
+  documents of the call (``doc_ids``, ``seq_idx`` or restarting ``position_ids`` and a 2-D
+  padding ``attention_mask``, the sources flexpack's attention reads) and runs the module's own
+  forward on them: once per group of right-padded documents (the torch paths, CPU or CUDA), or,
+  where the module's kernel-mapped functions run fla / causal-conv1d / mamba_ssm kernels on a
+  GPU, once on the flattened rows with the boundaries in the kernels' varlen keywords
+  (``cu_seqlens``, ``seq_idx``);
+- the model gets a forward pre-hook that records the call's document sources for mixers whose
+  decoder layer does not forward the call's keywords (Jamba).
+
+One room per kind: :mod:`~flexpack.mixers.delta` (gated delta rule, KDA),
+:mod:`~flexpack.mixers.ssm` (Mamba2, Mamba), :mod:`~flexpack.mixers.conv` (short convs),
+:mod:`~flexpack.mixers.linear` (lightning attention). Calls with a cache (``generate()``) run the
+module's own forward unchanged: a prompt is one document per row (packed rows with a cache are
+exact but leave the cache without their state, with a warning).
+``flexpack.integrations.transformers.register()``'s models are adapted at their first forward.
+
+Shapes: hidden_states (B, S, H); doc_ids (B, S) int, -1 on padding.
+
+    >>> import torch
+    >>> from transformers import Lfm2Config, Lfm2ForCausalLM                    # doctest: +SKIP
+    >>> import flexpack.mixers                                                  # doctest: +SKIP
+    >>> model = flexpack.mixers.adapt(Lfm2ForCausalLM(Lfm2Config(...)))         # doctest: +SKIP
+    >>> flexpack.mixers.mixers_of(model)                                        # doctest: +SKIP
+    [('model.layers.0.conv', 'short_conv'), ...]
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexpack.mixers import conv, delta, linear, ssm
+from flexpack.mixers._plan import DocumentPlan
+from flexpack.mixers._room import Room, uses_kernels
+
+__all__ = [
+    "ROOMS",
+    "DocumentPlan",
+    "Room",
+    "adapt",
+    "adapt_caller",
+    "is_adapted",
+    "mixers_of",
+    "restore",
+]
+
+# Most specific first: a gated delta net also calls causal_conv1d_fn.
+ROOMS: tuple[Room, ...] = (*delta.ROOMS, *ssm.ROOMS, *linear.ROOMS, *conv.ROOMS)
+
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values", "layer_past")
+# Boundary keywords of the call that the per-document calls must not see (their rows are single
+# documents; the torch fallbacks refuse cu_seqlens / seq_idx).
+_BOUNDARY_KEYS = ("doc_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens",
+                  "max_length_q", "max_length_k", "flexpack_mask")  # fmt: skip
+
+_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Adapted
+
+
+class _Call:
+    """The document sources of the model's current call and the plan derived from them, shared
+    by every adapted mixer of the model (the plan is built once per forward)."""
+
+    def __init__(self) -> None:
+        self.sources: dict[str, Any] = {}
+        self.plan_key: tuple | None = None
+        self.plan: DocumentPlan | None = None
+
+    def plan_for(self, B: int, S: int, kwargs: dict[str, Any], device) -> DocumentPlan:
+        from flexpack.integrations.transformers import _doc_ids
+
+        own = {k: kwargs.get(k) for k in ("doc_ids", "seq_idx")}
+        src = own if any(v is not None for v in own.values()) else self.sources
+        doc_ids, seq_idx = src.get("doc_ids"), src.get("seq_idx")
+        position_ids = self.sources.get("position_ids")
+        padding = self.sources.get("attention_mask")
+        if not (isinstance(padding, Tensor) and padding.dim() == 2):
+            padding = None
+        if isinstance(position_ids, Tensor) and position_ids.shape[-1] != S:
+            position_ids = None  # not this sequence's positions
+        if padding is not None and padding.shape[-1] < S:
+            padding = None
+        tensors = (doc_ids, seq_idx, position_ids, padding)
+        key = (B, S, *((id(t), t._version) if isinstance(t, Tensor) else None for t in tensors))
+        if key != self.plan_key:
+            ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids)
+            self.plan = DocumentPlan.from_doc_ids(ids.to(device))
+            self.plan_key = key
+            self.keep = tensors  # hold them: their ids stay theirs while the plan is cached
+        return self.plan
+
+
+class _Adapted:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.call = _Call()
+        self.modules: list[torch.nn.Module] = []
+        self.hook = model.register_forward_pre_hook(self._capture, with_kwargs=True)
+        try:
+            self.signature = inspect.signature(model.forward)
+        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+            self.signature = None
+
+    def _capture(self, model, args, kwargs):
+        sources = dict(kwargs)
+        if args and self.signature is not None:
+            try:
+                sources = dict(self.signature.bind_partial(*args, **kwargs).arguments)
+            except TypeError:
+                pass
+        self.call.sources = {
+            k: sources.get(k) for k in ("doc_ids", "seq_idx", "position_ids", "attention_mask")
+        }
+
+
+def _towers(model: torch.nn.Module) -> set[int]:
+    """ids of modules inside vision / audio towers (their own sequences, never packed rows)."""
+    skip: set[int] = set()
+    for m in model.modules():
+        key = getattr(getattr(m, "config", None), "base_config_key", None)
+        if key in ("vision_config", "audio_config"):
+            skip.update(id(s) for s in m.modules())
+    return skip
+
+
+def _room_of(module: torch.nn.Module) -> Room | None:
+    for room in ROOMS:
+        if room.owns(module):
+            return room
+    return None
+
+
+def mixers_of(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(module path, room name) of every token mixer of ``model`` that flexpack.mixers adapts.
+
+    Example:
+        >>> import torch, flexpack.mixers
+        >>> flexpack.mixers.mixers_of(torch.nn.Linear(2, 2))
+        []
+    """
+    towers = _towers(model)
+    return [
+        (path, room.name)
+        for path, m in model.named_modules()
+        if id(m) not in towers and (room := _room_of(m)) is not None
+    ]
+
+
+def is_adapted(module: torch.nn.Module) -> bool:
+    """True for a mixer module :func:`adapt` has given a per-document forward."""
+    return "_flexpack_room" in module.__dict__
+
+
+def adapt(model: torch.nn.Module) -> torch.nn.Module:
+    """Give every recurrent / convolutional token mixer of ``model`` a per-document state.
+
+    Per instance and reversible (:func:`restore`); calling it again is harmless. Models without
+    such mixers are returned untouched.
+
+    Args:
+        model: a transformers model (any ``torch.nn.Module``; its mixers are found by the
+            kernel-mapped functions their classes call, see :mod:`flexpack.mixers._room`).
+
+    Returns:
+        ``model``.
+
+    Example:
+        >>> import torch, flexpack.mixers
+        >>> m = flexpack.mixers.adapt(torch.nn.Linear(2, 2))  # nothing to adapt
+        >>> flexpack.mixers.restore(m) is m
+        True
+    """
+    if model in _models:
+        return model
+    found = [(model.get_submodule(p), name) for p, name in mixers_of(model)]
+    if not found:
+        return model
+    state = _Adapted(model)
+    rooms = {r.name: r for r in ROOMS}
+    for module, name in found:
+        _install(module, rooms[name], state.call)
+        state.modules.append(module)
+    _models[model] = state
+    return model
+
+
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`adapt`: the mixers' class forwards and no pre-hook again. Returns ``model``."""
+    state = _models.pop(model, None)
+    if state is not None:
+        state.hook.remove()
+        for module in state.modules:
+            module.__dict__.pop("forward", None)
+            module.__dict__.pop("_flexpack_room", None)
+    return model
+
+
+# id(config) -> a weak reference to it (configs are unhashable dataclasses)
+_seen_configs: dict[int, weakref.ref] = {}
+
+
+def adapt_caller(config: Any) -> None:
+    """:func:`adapt` the model whose forward is running now (called by flexpack's mask function
+    at the start of a model's forward, before its first layer; once per config).
+
+    transformers hands the mask function the model's config, not the model: the model is the
+    outermost ``torch.nn.Module`` with a ``config`` on the call stack (the one the user called).
+    Its forward's arguments are this call's document sources (the pre-hook :func:`adapt`
+    installs sees the next calls). Under ``torch.compile`` nothing is looked up.
+    """
+    import sys
+
+    if torch.compiler.is_compiling():
+        return
+    if config is None:
+        return
+    seen = _seen_configs.get(id(config))
+    if seen is not None and seen() is config:
+        return
+    key = id(config)
+    try:
+        _seen_configs[key] = weakref.ref(config, lambda _: _seen_configs.pop(key, None))
+    except TypeError:  # pragma: no cover - a config without weak references
+        return
+    model, frame_locals = None, None
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and hasattr(owner, "config"):
+            model, frame_locals = owner, frame.f_locals
+        frame = frame.f_back
+    if model is None:
+        return
+    adapt(model)
+    state = _models.get(model)
+    if state is not None and frame_locals is not None:
+        found = dict(frame_locals.get("kwargs") or {})
+        found.update({k: v for k, v in frame_locals.items() if k != "kwargs"})
+        state.call.sources = {
+            k: found.get(k) for k in ("doc_ids", "seq_idx", "position_ids", "attention_mask")
+        }
+
+
+def _install(module: torch.nn.Module, room: Room, call: _Call) -> None:
+    own = type(module).forward.__get__(module)  # the class's forward, bound
+    params = inspect.signature(own).parameters
+    cache_name = next((n for n in _CACHE_NAMES if n in params), None)
+    positional = [
+        n for n, p in params.items()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]  # fmt: skip
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = dict(zip(positional, args, strict=False))
+        bound.update(kwargs)
+        return _forward(module, own, room, call, cache_name, bound)
+
+    module.__dict__["forward"] = forward
+    module.__dict__["_flexpack_room"] = room.name
+
+
+def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, Any]) -> Any:
+    x = bound.pop("hidden_states", None)
+    if x is None:  # first positional argument under another name
+        first = next(iter(bound))
+        x = bound.pop(first)
+    B, S = x.shape[:2]
+    cache = bound.get(cache_name) if cache_name else None
+    if cache is not None:
+        if S == 1 or call.plan_for(B, S, bound, x.device).documents <= B:
+            return own(x, **bound)  # decoding, or prompts of one document per row
+        warnings.warn(
+            f"{type(module).__name__} got packed rows (several documents per row) together with "
+            "a cache: each document's outputs are exact, but the cache gets no recurrent state "
+            "for this layer, so generation cannot continue from these rows. Pass "
+            "use_cache=False for packed rows (flexpack's packed_forward_kwargs does).",
+            stacklevel=3,
+        )
+        bound[cache_name] = None
+    plan = call.plan_for(B, S, bound, x.device)
+    if plan.single:
+        return own(x, **{k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS})
+    rest = {k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS}
+    if "attention_mask" in rest:
+        rest["attention_mask"] = None  # padding is left out of the documents
+    if room.varlen and x.device.type != "cpu" and uses_kernels(module):
+        boundaries = {"cu_seqlens": plan.cu_seqlens, "seq_idx": plan.seq_idx}
+        handed = {key: boundaries[what] for key, what in room.varlen.items()}
+        out = own(x.reshape(1, B * S, *x.shape[2:]), **_take(rest, plan, None), **handed)
+        first, others = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
+        first = first.reshape(B, S, *first.shape[2:])
+        return (first, *(None for _ in others)) if others is not None else first
+    pieces, others = [], None
+    for g in range(len(plan.groups)):
+        out = own(plan.split(x, g), **_take(rest, plan, g))
+        if isinstance(out, tuple):
+            out, others = out[0], len(out) - 1
+        pieces.append(out)
+    merged = plan.merge(pieces, x)
+    return (merged, *([None] * others)) if others is not None else merged
+
+
+def _take(kwargs: dict[str, Any], plan: DocumentPlan, group: int | None) -> dict[str, Any]:
+    """The per-token tensors among ``kwargs`` ((B or 1, S, ...): positions, rotary tables) cut
+    as the documents are (group ``None``: flattened to one row)."""
+
+    def cut(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return tuple(cut(t) for t in v)
+        if isinstance(v, Tensor) and v.dim() >= 2 and v.shape[1] == plan.S and v.shape[0] in (
+            1, plan.B,
+        ):  # fmt: skip
+            full = v.expand(plan.B, *v.shape[1:])
+            if group is None:
+                return full.reshape(1, plan.B * plan.S, *v.shape[2:])
+            return plan.split(full, group)
+        return v
+
+    return {k: cut(v) for k, v in kwargs.items()}

@@ -1,0 +1,99 @@
+"""What a room of flexpack.mixers declares: which modules are its kind of token mixer, and how
+its document boundaries reach the kernels transformers maps its functions to.
+
+transformers 5.x routes every recurrent or convolutional token mixer's heavy functions through
+``use_kernel_func_from_hub_with_fallback(name, package)``: a module-level function of the
+modeling file (``causal_conv1d_fn``, ``torch_chunk_gated_delta_rule``, ``mamba2_chunk_scan``,
+...) that calls the package's kernel when it imported (fla, causal_conv1d, mamba_ssm), else the
+torch reference. The mixer's methods call those functions by name, so a room recognises its kind
+by the names its class's methods reference (never by ``model_type``), and tells from the
+wrapper's closure (``is_new_implementation``) whether the kernel or the torch path will run.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Room", "hub_functions", "uses_kernels"]
+
+
+@functools.cache
+def _hub_functions_of(cls: type) -> tuple[tuple[str, Callable], ...]:
+    import sys
+
+    module = sys.modules.get(cls.__module__)
+    found: dict[str, Callable] = {}
+    for klass in cls.__mro__:
+        if klass is torch.nn.Module or klass is object:
+            continue
+        owner = sys.modules.get(klass.__module__)
+        for attr in vars(klass).values():
+            fn = inspect.unwrap(attr) if callable(attr) else attr
+            code = getattr(fn, "__code__", None)
+            if code is None or owner is None:
+                continue
+            for name in code.co_names:
+                g = vars(owner).get(name)
+                if callable(g) and _closure(g) is not None:
+                    found.setdefault(name, g)
+    del module
+    return tuple(sorted(found.items()))
+
+
+def _closure(fn: Callable) -> dict | None:
+    """The nonlocals of a transformers hub-kernel wrapper (None for any other callable)."""
+    if getattr(fn, "__wrapped__", None) is None:
+        return None
+    try:
+        nonlocals = inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return None
+    return nonlocals if "is_new_implementation" in nonlocals else None
+
+
+def hub_functions(module: torch.nn.Module) -> dict[str, Callable]:
+    """The kernel-mapped functions (``use_kernel_func_from_hub_with_fallback``) that the
+    methods of ``module``'s class call by name: ``{name: function}``."""
+    return dict(_hub_functions_of(type(module)))
+
+
+def uses_kernels(module: torch.nn.Module) -> bool:
+    """True when every kernel-mapped function ``module`` calls runs a package's kernel (fla,
+    causal_conv1d, mamba_ssm), none the torch reference."""
+    fns = hub_functions(module).values()
+    return bool(fns) and all(_closure(f)["is_new_implementation"] for f in fns)
+
+
+@dataclass(frozen=True)
+class Room:
+    """One kind of token mixer.
+
+    Attributes:
+        name: the kind's name (the model zoo's table and the refusal registry use it).
+        functions: names of kernel-mapped functions; a module whose class calls any of them is
+            this kind (``matches`` decides instead when given).
+        varlen: keywords the mixer forwards to its kernels, each to the boundary it carries:
+            ``"cu_seqlens"`` ((segments + 1,) int32) or ``"seq_idx"`` ((1, B * S) int32). Empty:
+            the kernels have no varlen argument, documents run apart even on the kernel path.
+        how: a sentence for the docs: how the room keeps documents apart.
+        matches: optional predicate on a module, for mixers without kernel-mapped functions.
+        excludes: names whose presence means a more specific room owns the module.
+    """
+
+    name: str
+    functions: frozenset[str] = frozenset()
+    varlen: dict[str, str] = field(default_factory=dict)
+    how: str = ""
+    matches: Callable[[torch.nn.Module], bool] | None = None
+    excludes: frozenset[str] = frozenset()
+
+    def owns(self, module: torch.nn.Module) -> bool:
+        if self.matches is not None:
+            return self.matches(module)
+        names = set(hub_functions(module))
+        return bool(names & self.functions) and not names & self.excludes

@@ -1,0 +1,311 @@
+"""flexpack.mixers: recurrent and conv token mixers keep each document's state to itself.
+
+Each room's module is compared, in float64, with the same module run on each document alone
+(its unpacked twin); one tiny model per kind runs packed vs per document in float32 (logits and
+grads); generate() with a cache matches the unadapted model; the kernel hand-off is checked on the
+faked CUDA device with recording kernels (see tests/test_mixers_kernels.py).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import flexpack
+import flexpack.mixers as fm
+from flexpack.mixers import DocumentPlan
+
+transformers = pytest.importorskip("transformers")
+
+# Tiny configs, one per kind of token mixer: (config class, kwargs, the mixer's path in layer 0).
+SMALL = dict(
+    vocab_size=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, hidden_size=32,
+    intermediate_size=48, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+    max_position_embeddings=128,
+)  # fmt: skip
+FAMILIES = {
+    "gated_delta_rule": (
+        "Qwen3_5TextConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+        ),
+        "linear_attn",
+    ),
+    "kda": (
+        "KimiLinearConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            num_experts=2,
+            num_experts_per_token=1,
+            moe_intermediate_size=16,
+            first_k_dense_replace=2,
+            linear_conv_kernel_dim=4,
+            q_lora_rank=None,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
+            num_key_value_heads=2,
+            linear_head_dim=8,
+            linear_num_heads=2,
+        ),
+        "self_attn",
+    ),
+    "mamba2": (
+        "BambaConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            attn_layer_indices=[1],
+            mamba_chunk_size=4,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+        ),
+        "mamba",
+    ),
+    "mamba": (
+        "JambaConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            num_experts=1,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_d_state=8,
+            mamba_dt_rank=4,
+        ),
+        "mamba",
+    ),
+    "lightning_attention": (
+        "MiniMaxConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            layer_types=["linear_attention", "full_attention"],
+            block_size=4,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+        ),
+        "self_attn",
+    ),
+    "short_conv": (
+        "Lfm2Config",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            layer_types=["conv", "full_attention"],
+            full_attn_idxs=[1],
+            conv_L_cache=3,
+        ),
+        "conv",
+    ),
+}
+LENGTHS = (7, 11, 5)  # three documents, longer than the chunks, blocks and conv windows
+
+
+def _config(kind: str, attn_implementation: str = "eager"):
+    name, kwargs, _ = FAMILIES[kind]
+    config = getattr(transformers, name)(**kwargs)
+    config._attn_implementation = attn_implementation
+    return config
+
+
+def _model(kind: str, attn_implementation: str = "eager", dtype=torch.float32):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            _config(kind, attn_implementation), dtype=dtype
+        )
+    return model.eval()
+
+
+def _rows(vocab: int, lengths=LENGTHS, max_len=32):
+    g = torch.Generator().manual_seed(0)
+    docs = [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+    return flexpack.pack_sequences(docs, max_len=max_len), docs
+
+
+def _spans(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
+    out = []
+    for b, row in enumerate(doc_ids.tolist()):
+        start = 0
+        for i in range(1, len(row) + 1):
+            if i == len(row) or row[i] != row[start]:
+                if row[start] >= 0:
+                    out.append((b, start, i))
+                start = i
+    return out
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+@pytest.mark.parametrize(
+    "ids",
+    [
+        [[0, 0, 0, 1, 1, -1]],
+        [[0, 0, 1, 1, 1, 2], [0, 0, 0, 0, -1, -1]],
+        [[3, 3, 3, 3]],
+        [[-1, 0, 0, 1]],
+    ],
+)
+def test_plan_split_merge_round_trip(ids):
+    doc_ids = torch.tensor(ids)
+    plan = DocumentPlan.from_doc_ids(doc_ids)
+    x = torch.randn(*doc_ids.shape, 3)
+    if plan.single:
+        assert len(ids) == 1 and -1 not in ids[0] and len(set(ids[0])) == 1
+        return
+    pieces = [plan.split(x, g) for g in range(len(plan.groups))]
+    back = plan.merge(pieces, x)
+    real = doc_ids >= 0
+    assert torch.equal(back[real], x[real]) and not back[~real].any()
+    # every group row holds one document from its start, zeros after it
+    for (index, valid, _, _), piece in zip(plan.groups, pieces, strict=True):
+        flat = doc_ids.reshape(-1)
+        for r in range(index.shape[0]):
+            n = int(valid[r].sum())
+            assert (flat[index[r, :n]] == flat[index[r, 0]]).all() and not piece[r, n:].any()
+    assert plan.cu_seqlens[-1] == doc_ids.numel()
+    assert plan.seq_idx.shape == (1, doc_ids.numel())
+
+
+# ----------------------------------------------------------------------------- rooms, float64
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_room_module_matches_each_document_alone_float64(kind):
+    model = _model(kind, dtype=torch.float64)
+    path = f"model.layers.0.{FAMILIES[kind][2]}"
+    mixer = model.get_submodule(path)
+    assert dict(fm.mixers_of(model))[path] == kind
+    batch, _ = _rows(64, lengths=(7, 11, 5, 9), max_len=18)  # two rows, padding at the end
+    H = model.config.hidden_size
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(*batch.doc_ids.shape, H, generator=g, dtype=torch.float64)
+    extra = {}
+    if kind == "lightning_attention":  # its forward takes the rotary tables (and ignores them)
+        extra["position_embeddings"] = None
+    alone = {}
+    with torch.no_grad():
+        for b, a, e in _spans(batch.doc_ids):
+            out = mixer(x[b : b + 1, a:e], attention_mask=None, **extra)
+            alone[(b, a, e)] = out[0] if isinstance(out, tuple) else out
+        fm.adapt(model)
+        try:
+            out = mixer(x, attention_mask=None, doc_ids=batch.doc_ids, **extra)
+        finally:
+            fm.restore(model)
+    out = out[0] if isinstance(out, tuple) else out
+    for (b, a, e), want in alone.items():
+        torch.testing.assert_close(out[b, a:e], want[0], rtol=0, atol=1e-10)
+    assert not out[batch.doc_ids < 0].any()  # padding gives zeros
+    assert "forward" not in mixer.__dict__  # restored
+
+
+# ----------------------------------------------------------------------------- whole models
+
+
+def _loss(logits, labels):
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_model_packed_equals_documents_alone(kind):
+    """fp32 logits within 1e-4 of each document alone; the summed loss's grads too."""
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    model = _model(kind, register())
+    reference = _model(kind)  # eager, the same weights, never adapted
+    batch, docs = _rows(64)
+    kwargs = packed_forward_kwargs(batch)
+    out = model(**kwargs).logits  # adapted at this first forward, by flexpack's mask function
+    assert fm.mixers_of(model) and all(
+        fm.is_adapted(model.get_submodule(p)) for p, _ in fm.mixers_of(model)
+    )
+    labels = batch.labels.long()
+    _loss(out[:, :-1], labels[:, 1:]).backward()
+    alone_loss = 0.0
+    for (b, a, e), doc in zip(_spans(batch.doc_ids), docs, strict=True):
+        logits = reference(input_ids=doc[None], use_cache=False).logits
+        torch.testing.assert_close(out[b, a:e], logits[0], rtol=0, atol=1e-4)
+        alone_loss = alone_loss + _loss(logits[:, :-1], doc[None, 1:])
+    alone_loss.backward()
+    ref = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None or ref[name].grad is not None:
+            torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-3, atol=1e-4)
+
+
+def _loss(logits, labels):
+    return torch.nn.functional.cross_entropy(
+        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+def test_position_ids_alone_and_restore():
+    """DataCollatorWithFlattening rows (restarting position_ids, no doc_ids) on a model whose
+    decoder layer forwards nothing to its mixer (Jamba): the pre-hook's sources; restore()."""
+    model = fm.adapt(_model("mamba"))
+    reference = _model("mamba")
+    batch, docs = _rows(64)
+    with torch.no_grad():
+        out = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids.long(), use_cache=False
+        ).logits
+        for (b, a, e), doc in zip(_spans(batch.doc_ids), docs, strict=True):
+            want = reference(input_ids=doc[None]).logits[0]
+            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-4)
+        fm.restore(model)
+        assert not any(fm.is_adapted(m) for m in model.modules())
+        leaked = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids.long(), use_cache=False
+        ).logits
+    assert not torch.allclose(leaked, out, atol=1e-5)  # the class forward again: it leaks
+
+
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "short_conv", "mamba2"])
+def test_generate_matches_unadapted(kind):
+    """generate() with a cache, left-padded prompts: the same tokens as the plain model."""
+    from flexpack.integrations.transformers import register
+
+    model = fm.adapt(_model(kind, register()))
+    reference = _model(kind, "sdpa")
+    ids = torch.randint(3, 64, (2, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    kw = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        want = reference.generate(input_ids=ids, attention_mask=mask, **kw)
+    assert torch.equal(got, want)
+
+
+def test_packed_rows_with_a_cache_warn_and_stay_exact():
+    model = fm.adapt(_model("short_conv"))
+    batch, _ = _rows(64)
+    with torch.no_grad():
+        want = model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=False).logits
+        with pytest.warns(UserWarning, match="generation cannot continue"):
+            got = model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=True).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
