@@ -327,3 +327,11 @@ def test_pack_multimodal_warns_for_a_model_without_flexpack_attention():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pack_multimodal(qwen_samples(), 48, model=tiny_qwen(register()))
+
+
+def test_readme_offers_the_quick_demo_and_says_how_long_things_take():
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "flexpack demo --docs 64" in text
+    assert "4 minutes idle" in text and "45 minutes on a busy machine" in text
