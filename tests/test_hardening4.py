@@ -335,3 +335,17 @@ def test_readme_offers_the_quick_demo_and_says_how_long_things_take():
     text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert "flexpack demo --docs 64" in text
     assert "4 minutes idle" in text and "45 minutes on a busy machine" in text
+
+
+def test_stamps_of_cuda_tensors_make_no_host_sync(fake_cuda):
+    # On CUDA a content comparison would be a sync per layer: stamps trust version and storage.
+    from flexpack._tensor_cache import PerTensor
+
+    ids = torch.tensor([[0, 0, 1, 1]], device="cuda")
+    cache = PerTensor()
+    with fake_cuda.count() as syncs:
+        first = cache.get(ids, lambda: object())
+        assert cache.get(ids, lambda: object()) is first
+        ids.add_(1)  # an in-place op bumps the version: seen without a sync
+        assert cache.get(ids, lambda: object()) is not first
+    assert syncs == []  # (`.data = other` is seen by data_ptr, which the fake reports as 0)
