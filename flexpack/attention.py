@@ -543,7 +543,10 @@ def attention(
             ``enable_gqa=True`` and Hq % Hkv == 0.
         mask: a flexpack mask (``flexpack.masks.document(doc_ids) & flexpack.masks.causal()``,
             ...) or a BlockMask (``flexpack.document_causal_mask(doc_ids)``, or one of your own
-            from ``create_block_mask``), for (S, S) and batch size 1 or B, on q's device.
+            from ``create_block_mask``), for (S, S) and batch size 1 or B, on q's device. A
+            mask of batch size 1 is broadcast: every one of the B rows gets that row's layout
+            (as a (1, S) ``position_ids`` serves a whole batch in transformers). For rows that
+            each hold their own documents, build the mask from their (B, S) doc_ids.
             flexpack masks let the call pick per-document kernels; a foreign BlockMask runs on
             the "flex" backend, or on "sdpa" through its dense twin. On the flex path a Mask is
             turned into a BlockMask on every call: in a model, build ``mask.block_mask()`` (or

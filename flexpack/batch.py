@@ -399,7 +399,8 @@ def pack_sequences(
         TypeError: a sample is not token ids (``[1, "a"]``, ``None``, ``[1, [2]]``: the error
             names the sample and the element; flexpack does not tokenize), or ``pad_id`` is not
             an int.
-        ValueError: a token id or ``pad_id`` past int64, or what :func:`flexpack.pack` rejects.
+        ValueError: a negative token id or ``pad_id`` (refused as the CLI refuses them; labels
+            may hold -100), one past int64, or what :func:`flexpack.pack` rejects.
 
     Example:
         >>> batch = pack_sequences([{"input_ids": [1, 2, 3], "labels": [-100, -100, 3]},

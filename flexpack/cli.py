@@ -148,10 +148,8 @@ def _read_jsonl(path: Path, column: str | None, labels_column: str | None, bar: 
                 )
             ids_parts.append(record[column])
             lines.append(lineno)
-            if labels_column is not None:
-                if labels_column not in record:
-                    raise CliError(f"{path}:{lineno}: no {labels_column!r} field for labels")
-                label_parts.append(record[labels_column])
+            if labels_column is not None:  # no labels field: labelled by its tokens, as a null
+                label_parts.append(record.get(labels_column))
     progress.close()
     if not ids_parts:
         raise CliError(f"{path}: no samples (the file is empty or has only blank lines)")
@@ -366,6 +364,11 @@ def _writable_file(path: str, flag: str, suffixes: tuple[str, ...] = ()) -> str:
             f"{flag} {path} exists and is not a regular file (a device, pipe or socket); give "
             "the name of a file in a folder"
         )
+    if not p.parent.exists():  # refused, not created: a typo in the path would make folders
+        raise CliError(
+            f"{flag} {path}: the folder {p.parent} does not exist; create it first "
+            f"(mkdir -p {p.parent}) or write to an existing folder"
+        )
     _writable_folder(p.parent, f"{flag} {path}")
     if p.exists():
         try:
@@ -490,6 +493,7 @@ def _summary(stats: PackStats, timings: dict[str, float]) -> str:
         f"split       {stats.split_samples:,} samples",
         f"truncated   {stats.truncated:,} tokens ({stats.truncated_samples:,} samples)",
         f"dropped     {stats.dropped:,} tokens ({stats.dropped_samples:,} samples)",
+        f"empty       {stats.empty_samples:,} samples (no tokens: in no row)",
         "time        " + ", ".join(f"{k} {v:.2f} s" for k, v in timings.items()),
     ]
     return "\n".join(lines)
@@ -664,7 +668,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_pack = sub.add_parser("pack", help="pack token sequences into rows, write Parquet", **kw)
     common(p_pack)
     p_pack.add_argument(
-        "--out", required=True, help="Parquet file to write, ending in .parquet (required)"
+        "--out",
+        required=True,
+        help="Parquet file to write, ending in .parquet, in an existing folder (required)",
     )
     p_pack.add_argument(
         "--strategy",

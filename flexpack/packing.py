@@ -71,6 +71,7 @@ class PackStats:
     max_len: int
     lower_bound_rows: int
     docs_per_row: DocsPerRow
+    empty_samples: int = 0  # samples of no tokens: counted in ``samples``, in no row
 
     @property
     def efficiency(self) -> float:
@@ -420,6 +421,7 @@ def pack(
         rows=num_rows,
         max_len=max_len,
         lower_bound_rows=-(-placed // max_len),  # exact ceil, no float rounding
+        empty_samples=int((lengths == 0).sum()) if n else 0,
         docs_per_row=DocsPerRow(
             min=int(docs.min()) if num_rows else 0,
             mean=float(segments.shape[0] / num_rows) if num_rows else 0.0,

@@ -240,3 +240,112 @@ def test_gemma3_bidirectional_refusal_names_the_flag_not_a_window():
     with pytest.raises(ValueError, match="use_bidirectional_attention=True") as e:
         model(**packed_forward_kwargs(batch))
     assert "(3)" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+
+def _jsonl(path, lines):
+    import json
+
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_cli_refuses_out_in_a_missing_folder_before_reading(tmp_path, capsys):
+    from flexpack.cli import main
+
+    missing = tmp_path / "nonexistent" / "dir"
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xff not read: the refusal comes first\n")
+    with pytest.raises(SystemExit) as e:
+        main(["pack", str(src), "--max-len", "4", "--out", str(missing / "o.parquet")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "does not exist" in err and "mkdir -p" in err
+    assert not missing.parent.exists()
+
+
+def test_cli_counts_empty_samples_and_labels_records_without_labels(tmp_path, capsys):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from flexpack.cli import main
+
+    src = _jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+            {"input_ids": []},
+            {"input_ids": [4, 5]},  # no labels field: labelled by its tokens, as a null one
+        ],
+    )
+    out = tmp_path / "o.parquet"
+    argv = ["pack", src, "--max-len", "4", "--out", str(out), "--labels-column", "labels"]
+    assert main(argv) == 0
+    summary = capsys.readouterr().out
+    assert "samples     3" in summary and "empty       1 samples" in summary
+    labels = sorted(map(tuple, pq.read_table(out).column("labels").to_pylist()))
+    assert labels == [(-100, 2, 3, -100), (-100, 5, -100, -100)]
+    assert flexpack.pack([3, 0, 2], 4).stats.empty_samples == 1
+
+
+def test_a_one_row_mask_broadcasts_over_the_batch_as_documented():
+    import inspect
+
+    doc = " ".join(inspect.getdoc(flexpack.attention).split())
+    assert "A mask of batch size 1 is broadcast" in doc
+    q, k, v = _qkv(3, 4)
+    d = torch.tensor([[0, 0, 1, 1]])
+    got = flexpack.attention(q, k, v, fm.document(d) & fm.causal())
+    torch.testing.assert_close(got, reference_attention(q, k, v, _twin(d.expand(3, 4))))
+
+
+# ----------------------------------------------------------------------------- a new user
+
+
+def test_the_hf_extra_installs_what_the_trainer_blocks_need():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    hf = re.search(r"^hf = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M).group(1)
+    assert "Trainer(" in (root / "docs" / "vlm.md").read_text()
+    assert "transformers" in hf and "accelerate" in hf  # transformers.Trainer imports accelerate
+
+
+# ------------------------------------------------------------------------ no flexpack attention
+
+
+def test_pack_multimodal_warns_for_a_model_without_flexpack_attention():
+    pytest.importorskip("transformers")
+    import warnings
+
+    from test_vlm import qwen_samples, tiny_qwen
+
+    from flexpack.integrations.transformers import pack_multimodal, register
+
+    with pytest.warns(UserWarning, match=r"attn_implementation='sdpa'.*register\(\)"):
+        pack_multimodal(qwen_samples(), 48, model=tiny_qwen("sdpa"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pack_multimodal(qwen_samples(), 48, model=tiny_qwen(register()))
+
+
+def test_readme_offers_the_quick_demo_and_says_how_long_things_take():
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "flexpack demo --docs 64" in text
+    assert "4 minutes idle" in text and "45 minutes on a busy machine" in text
+
+
+def test_stamps_of_cuda_tensors_make_no_host_sync(fake_cuda):
+    # On CUDA a content comparison would be a sync per layer: stamps trust version and storage.
+    from flexpack._tensor_cache import PerTensor
+
+    ids = torch.tensor([[0, 0, 1, 1]], device="cuda")
+    cache = PerTensor()
+    with fake_cuda.count() as syncs:
+        first = cache.get(ids, lambda: object())
+        assert cache.get(ids, lambda: object()) is first
+        ids.add_(1)  # an in-place op bumps the version: seen without a sync
+        assert cache.get(ids, lambda: object()) is not first
+    assert syncs == []  # (`.data = other` is seen by data_ptr, which the fake reports as 0)

@@ -40,6 +40,7 @@ ways inside their own image and sample, within the sliding window on sliding lay
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -93,6 +94,38 @@ class _Family:
 
 
 _MROPE = ("qwen2_vl", "qwen2_5_vl")
+
+
+def _runs_flexpack_attention(model: Any) -> bool | None:
+    """Whether ``model``'s text layers run flexpack attention; None when flexpack cannot tell
+    (no transformers config)."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    impl = getattr(text, "_attn_implementation", None)
+    if not isinstance(impl, str):
+        return None
+    from transformers import AttentionInterface
+
+    fn = getattr(AttentionInterface, "_global_mapping", {}).get(impl)  # no "eager" in it
+    return getattr(fn, "__name__", "") == "flexpack_attention_forward"
+
+
+def warn_without_flexpack_attention(model: Any, what: str) -> None:
+    """Warn when packed rows are made for, or fed to, a model whose attention ignores doc_ids:
+    its documents would attend to each other (0.52 off on Qwen2-VL, silently)."""
+    if _runs_flexpack_attention(model) is not False:
+        return
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    impl = text._attn_implementation
+    warnings.warn(
+        f"{what}: this {type(model).__name__} runs attn_implementation={impl!r}, which ignores "
+        "the packed rows' doc_ids: their documents would attend to each other. Load it with "
+        "attn_implementation=flexpack.integrations.transformers.register(), or switch this "
+        "instance with model.set_attn_implementation(register()) before training on the rows.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _family(model: Any) -> _Family:
@@ -453,6 +486,7 @@ def pack_multimodal(
             "Wrap one sample in a list, or an iterator in list(...)."
         )
     family = _family(model)
+    warn_without_flexpack_attention(model, "pack_multimodal")
     pad_id = _pad_id(model, pad_id, family)
     parsed = [_parse(s, i, family) for i, s in enumerate(samples)]
     lengths = [s.ids.shape[0] for s in parsed]
