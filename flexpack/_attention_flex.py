@@ -55,6 +55,40 @@ MIN_CUDA_FLEX_HEAD_DIM = 16
 CUDA_BLOCK_MULTIPLE = 128
 # FlashAttention's varlen kernel: head dim a multiple of 8, at most 256.
 VARLEN_MAX_HEAD_DIM = 256
+# Backward blocks for head dims above 128 (Gemma 2's 256) on CUDA. Torch 2.11-2.13's default
+# there (sm90: BLOCK_M1/N1/M2/N2 = 64, 2 stages, 4 warps) keeps the dK and dV accumulators of
+# 64 x 256 fp32 in 128 threads, 256 registers a thread before anything else: the kernel spills
+# ~3.9 KB a thread. Blocks of 32 rows over 8 warps hold them in 64 registers (and the k, v tiles
+# in 32 more); one stage, since a second would double the tiles in shared memory. Every block
+# still divides the 128-token BlockMask blocks (CUDA_BLOCK_MULTIPLE), and BLOCK_N1 % BLOCK_M1
+# and BLOCK_M2 % BLOCK_N2 are 0, as the template asserts.
+WIDE_HEAD_DIM = 128
+WIDE_HEAD_BWD_OPTIONS = {
+    "bwd_BLOCK_M1": 32,
+    "bwd_BLOCK_N1": 32,
+    "bwd_BLOCK_M2": 32,
+    "bwd_BLOCK_N2": 32,
+    "bwd_num_warps": 8,
+    "bwd_num_stages": 1,
+}
+
+
+def flex_kernel_options(device: torch.device, head_dim: int, dtype: torch.dtype, grad: bool):
+    """``kernel_options`` for compiled flex_attention where inductor's defaults spill, else None.
+
+    CUDA, a backward, a half-precision head dim above :data:`WIDE_HEAD_DIM`:
+    :data:`WIDE_HEAD_BWD_OPTIONS` (``bwd_`` options reach the backward kernel only; the forward
+    keeps its defaults). float32 already runs 16-row backward blocks.
+
+    Example:
+        >>> flex_kernel_options(torch.device("cuda"), 256, torch.bfloat16, True)["bwd_BLOCK_N1"]
+        32
+        >>> flex_kernel_options(torch.device("cuda"), 128, torch.bfloat16, True) is None
+        True
+    """
+    if device.type != "cuda" or not grad or head_dim <= WIDE_HEAD_DIM or dtype == torch.float32:
+        return None
+    return dict(WIDE_HEAD_BWD_OPTIONS)
 
 
 def flex_batch_rows(B: int) -> int:
@@ -252,13 +286,15 @@ def flex(
     )
     fn = compiled_flex_attention(config)
     score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
+    options = flex_kernel_options(q.device, q.shape[-1], q.dtype, grad)
+    extra = {} if options is None else {"kernel_options": options}
     handler = _reason_handler()
     handler.take()
     try:
         with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
             out = fn(
                 q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                enable_gqa=enable_gqa,
+                enable_gqa=enable_gqa, **extra,
             )  # fmt: skip
     except torch._dynamo.exc.FailOnRecompileLimitHit as err:
         raise RecompileLimitError(
@@ -288,12 +324,23 @@ class _VarlenPlan:
     cu_seqlens: Tensor
     max_seqlen: int
     identity: bool
+    contiguous: bool = True  # every document one run of tokens: a window is its own band
 
 
 def _varlen_plan(doc_ids: Tensor) -> _VarlenPlan:
     """The plan of (B, S) doc ids: ``document_groups`` (one host sync)."""
     groups = document_groups(doc_ids)
-    return _VarlenPlan(groups.order, groups.cu_seqlens, groups.max_seqlen, groups.in_order)
+    return _VarlenPlan(
+        groups.order, groups.cu_seqlens, groups.max_seqlen, groups.in_order, groups.contiguous
+    )
+
+
+def varlen_windows_exactly(doc_ids: Tensor, B: int) -> bool:
+    """Whether varlen's ``window_size=(W, 0)`` is the mask ``document_causal & sliding_window(W)``
+    over ``doc_ids`` (B or 1, S): every document one run of consecutive tokens, so positions in
+    the document and in the row differ by a constant. Reads the cached varlen plan (its one
+    host sync, shared with the call that follows)."""
+    return cached_plan("varlen", doc_ids, B, _varlen_plan).contiguous
 
 
 def layout_varlen_plan(layout, B: int | None = None) -> _VarlenPlan | None:
@@ -340,8 +387,14 @@ def varlen(
     causal: bool,
     scale: float | None,
     enable_gqa: bool,
+    window: int | None = None,
 ) -> Tensor:
     """torch's FlashAttention varlen kernel over the documents of ``doc_ids`` (B or 1, S).
+
+    ``window`` (with ``causal``): each query sees itself and the ``window`` keys before it in its
+    document, FlashAttention's ``window_size=(window, 0)`` (torch 2.11 and 2.13 both take it);
+    exact for ``document_causal & sliding_window(window)`` when every document is one run
+    (:func:`varlen_windows_exactly`).
 
     Tokens are unpadded flash-attn style (``indices`` / ``cu_seqlens``), attended per document
     and scattered back; padding gets 0. The plan (one host sync, none when seeded from a
@@ -357,6 +410,9 @@ def varlen(
         qs, ks, vs = (_tokens(x) for x in (q, k, v))  # (B * S, H, D)
     else:
         qs, ks, vs = (_tokens(x).index_select(0, plan.order) for x in (q, k, v))  # (T, H, D)
+    window_size = (-1, 0) if causal else (-1, -1)
+    if causal and window is not None and window < plan.max_seqlen - 1:
+        window_size = (window, 0)  # (a window as long as every document is plain causal)
     if plan.max_seqlen == 0:  # all padding: zeros, still connected to the graph
         return _untokens(q.new_zeros(B * S, Hq, D) + 0.0 * (qs.sum() + ks.sum() + vs.sum()), B, S)
     o = varlen_attn(
@@ -368,7 +424,7 @@ def varlen(
         plan.max_seqlen,
         plan.max_seqlen,
         scale=scale,
-        window_size=(-1, 0) if causal else (-1, -1),
+        window_size=window_size,
         # torch 2.11's varlen_attn has no enable_gqa: its FlashAttention kernel groups the fewer
         # k/v heads by itself (flexpack.attention checked that Hkv divides Hq).
         **({"enable_gqa": enable_gqa} if _compat.varlen_takes_enable_gqa(varlen_attn) else {}),

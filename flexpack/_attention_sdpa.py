@@ -48,6 +48,8 @@ class DocumentGroups:
         cu_seqlens: (N + 1,) int32 offsets of the documents in ``order``.
         max_seqlen: the longest document (0 when there is none).
         in_order: ``order`` is ``0..B*S-1``: no padding, documents in order (no gather needed).
+        contiguous: every document is one run of consecutive tokens (the packer's layout), so
+            a sliding window over row positions is each document's own band.
     """
 
     order: Tensor
@@ -55,6 +57,7 @@ class DocumentGroups:
     cu_seqlens: Tensor
     max_seqlen: int
     in_order: bool
+    contiguous: bool = True
 
 
 def document_groups(doc_ids: Tensor) -> DocumentGroups:
@@ -75,8 +78,11 @@ def document_groups(doc_ids: Tensor) -> DocumentGroups:
     run_start = torch.where(start, pos, 0).cummax(0).values
     longest = torch.where(keep, pos - run_start + 1, 0).amax() if B * S else pos.sum()
     in_order = keep.all() & (idx == torch.arange(S, device=device)).all()
-    T, N, max_seqlen, identity = torch.stack(
-        (keep.sum(), start.sum(), longest, in_order.long())
+    raw = doc_ids.long()
+    opens = raw >= 0  # a token that opens a run of one document, in position order
+    opens[:, 1:] &= raw[:, 1:] != raw[:, :-1]
+    T, N, max_seqlen, identity, runs = torch.stack(
+        (keep.sum(), start.sum(), longest, in_order.long(), opens.sum())
     ).tolist()  # the one host sync
     _check_int32_tokens(T)  # cu_seqlens below are int32: refuse rather than wrap
     flat = (idx + torch.arange(B, device=device)[:, None] * S).reshape(-1)
@@ -86,7 +92,9 @@ def document_groups(doc_ids: Tensor) -> DocumentGroups:
     cu_seqlens[:N] = rank.index_select(0, torch.nonzero_static(start, size=N).squeeze(1))
     cu_seqlens[N] = T
     seqlens = torch.diff(cu_seqlens).long()
-    return DocumentGroups(order, seqlens, cu_seqlens, int(max_seqlen), bool(identity))
+    return DocumentGroups(
+        order, seqlens, cu_seqlens, int(max_seqlen), bool(identity), contiguous=runs == N
+    )
 
 
 _Plan = TypeVar("_Plan")

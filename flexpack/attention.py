@@ -6,8 +6,10 @@ One call picks the path that can run the mask on the inputs' device:
 device    path (``backend="auto"``)
 ========  ==========================================================================
 CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 8 up to 256:
-          torch's varlen FlashAttention; causal alone: SDPA ``is_causal`` (fp32 with GQA: k, v
-          repeated, so SDPA stays off its O(S^2) math kernel); float64 or head dims above 256:
+          torch's varlen FlashAttention (document_causal & sliding_window(W) too, with its
+          ``window_size=(W, 0)``, when every document is one run of the row); causal alone:
+          SDPA ``is_causal`` (fp32 with GQA: k, v repeated, so SDPA stays off its O(S^2) math
+          kernel); float64 or head dims above 256:
           SDPA (per document, per segment for trees, else a dense mask); any other mask:
           compiled flex_attention, with a BlockMask of 128-token blocks built once per forward
           (head dims below 16 zero-padded to 16; rows padded to a bucket length, see below)
@@ -290,9 +292,12 @@ def _choose_path(
             problems.append(f"it runs on CUDA only (q is on {q.device})")
         if q.dtype not in _attention_flex.VARLEN_DTYPES:
             problems.append(f"it needs float16 or bfloat16 (q is {q.dtype})")
-        if not per_document:
+        if not (per_document or windowed):
             what = "a foreign BlockMask" if spec.kind is None else f"a {spec.kind!r} mask"
-            problems.append(f"it supports document and document_causal masks only (got {what})")
+            problems.append(
+                "it supports document and document_causal masks, and document_causal & "
+                f"sliding_window, only (got {what})"
+            )
         if softcap is not None:
             problems.append("it has no attention-logit soft-capping (softcap)")
         if not _varlen_head_dim(q.shape[-1]):
@@ -311,17 +316,19 @@ def _choose_path(
                 + "; ".join(problems)
                 + ". Use backend='auto' to pick a path that can."
             )
-        return "varlen"
+        return "varlen_window" if windowed else "varlen"
     # backend == "auto"
     if on_cuda:
         if (
-            per_document
+            (per_document or windowed)
             and softcap is None
             and _varlen_head_dim(q.shape[-1])
             and q.dtype in _attention_flex.VARLEN_DTYPES
             and _attention_flex.varlen_available(q.device)
         ):
-            return "varlen"
+            # A window: FlashAttention's window_size=(W, 0), when each document is one run
+            # (checked on the first call; otherwise flex).
+            return "varlen_window" if windowed else "varlen"
         if spec.kind == "causal" and softcap is None:
             return "sdpa_causal"
         if q.dtype == torch.float64 or q.shape[-1] > _FLEX_CUDA_MAX_HEAD_DIM:
@@ -559,7 +566,8 @@ def attention(
             "flex": compiled flex_attention, compiled once per (device, dtype) and shape, never
             recompiled for a new document layout. "varlen": torch's FlashAttention varlen kernel
             (``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, document and
-            document_causal masks). "sdpa": ``scaled_dot_product_attention`` per document for
+            document_causal masks, and document_causal & sliding_window over documents that
+            are one run each). "sdpa": ``scaled_dot_product_attention`` per document for
             document masks, with a dense (B, 1, S, S) mask otherwise; any device, with backward.
         softcap: attention-logit soft-capping as in Gemma 2: scores become
             ``softcap * tanh(scores / softcap)`` after ``scale``, before masking. None (default)
@@ -626,6 +634,21 @@ def attention(
     if B == 0:  # an empty batch (a last, empty shard): an empty result, still in the graph
         return q * 0.0
 
+    if path == "varlen_window":
+        doc_ids = spec.mask.doc_ids  # the document_causal factor's ids
+        if _attention_flex.varlen_windows_exactly(doc_ids, B):
+            return _attention_flex.varlen(
+                q, k, v, doc_ids, causal=True, scale=scale, enable_gqa=enable_gqa,
+                window=_document_window(spec),
+            )  # fmt: skip
+        if backend == "varlen":
+            raise ValueError(
+                "backend='varlen' cannot run this sliding window: a document of the mask is cut "
+                "into several runs of the row, and the window counts row positions, which "
+                "varlen's window (positions in the document) does not. Use backend='auto' "
+                "(flex runs it) or pack each document as one run."
+            )
+        path = "flex"  # a document cut into several runs: its window counts row positions
     if path == "flex":
         if not torch.is_grad_enabled():
             # flex_attention rejects CPU inputs that require grad even under no_grad, where no

@@ -24,7 +24,8 @@ Python number). This module fakes the device so that CI catches both:
 - Inside the context, ``torch.cuda.is_available()`` is True, ``get_device_capability()`` is
   ``capability`` (default ``(9, 0)``, an H100/H200), factory calls with ``device="cuda"`` make
   fake tensors, and ``torch.cuda.synchronize`` / ``empty_cache`` / ``Event`` / memory statistics
-  work (events time on the host clock).
+  / ``mem_get_info`` work (events time on the host clock; the memory is an H200's, 141 GiB with
+  ``free_memory`` free) -- everything bench/gpu.py reads, so each of its rows is rehearsed.
 
 What it does not fake: kernels that exist on CUDA only (FlashAttention varlen, inductor's Triton
 flex kernels). Tests replace those with recorders (see tests/test_fake_cuda_paths.py) that check
@@ -507,14 +508,22 @@ class FakeCuda:
         syncs: "count" (default) records every host sync in :attr:`syncs`; "error" raises
             :class:`HostSyncError` at the first one.
         name: what ``torch.cuda.get_device_name()`` reports.
+        free_memory: the free bytes ``torch.cuda.mem_get_info()`` reports (of 141 GiB; default
+            130 GiB, an H200 with a CUDA context): a bench row that sizes itself by free memory
+            (the dense-mask SDPA row) takes the path it takes on the GPU.
     """
 
     def __init__(
-        self, capability: tuple[int, int] = (9, 0), syncs: str = "count", name: str = "Fake H200"
+        self,
+        capability: tuple[int, int] = (9, 0),
+        syncs: str = "count",
+        name: str = "Fake H200",
+        free_memory: int = 130 * 2**30,
     ) -> None:
         if syncs not in ("count", "error"):
             raise ValueError(f"syncs must be 'count' or 'error', got {syncs!r}")
         self.capability = capability
+        self.free_memory = free_memory
         self.mode = syncs
         self.name = name
         self.syncs: list[Sync] = []
@@ -662,8 +671,16 @@ class FakeCuda:
         self._patch(cuda_mod, "synchronize", synchronize)
         self._patch(cuda_mod, "empty_cache", lambda: None)
         self._patch(cuda_mod, "Event", _Event)
-        for stat in ("max_memory_allocated", "memory_allocated", "max_memory_reserved"):
+        for stat in (
+            "max_memory_allocated",
+            "memory_allocated",
+            "max_memory_reserved",
+            "memory_reserved",
+        ):
             self._patch(cuda_mod, stat, lambda device=None: 0)
+        self._patch(
+            cuda_mod, "mem_get_info", lambda device=None: (self.free_memory, props.total_memory)
+        )
         self._patch(cuda_mod, "reset_peak_memory_stats", lambda device=None: None)
         stack = getattr(_STATE, "stack", None)
         if stack is None:

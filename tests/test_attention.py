@@ -455,6 +455,8 @@ def test_gpu_bench_dry_run_runs_on_cpu(capsys, tmp_path):
     out = capsys.readouterr().out
     assert re.search(r"Correctness: (\d+)/\1 checks passed", out)
     assert (
-        "| 256 | flexpack auto |" in out
-        and "| 256 | varlen_attn | — | — | — | — | CUDA only |" in out
+        "| 256 | 16 | document_causal | flexpack auto |" in out
+        and "| 256 | 16 | document_causal | varlen_attn | — | — | — | — | CUDA only |" in out
     )
+    assert "| 256 | 16 | tree | flexpack sdpa (per segment) |" in out
+    assert "PASS" not in out and "FAIL" not in out  # CPU timings are not judged

@@ -47,8 +47,11 @@ class Recorder:
     # -- flex ------------------------------------------------------------------------------
 
     def flex(self, config):
-        def compiled(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False):
-            info = {"config": config, "S": q.shape[2]}
+        def compiled(
+            q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
+            kernel_options=None,
+        ):  # fmt: skip
+            info = {"config": config, "S": q.shape[2], "kernel_options": kernel_options}
             self.calls.append(Call("flex", len(self.gpu.syncs), info))
             for name, x in (("q", q), ("k", k), ("v", v)):
                 assert is_fake_cuda(x), f"flex got {name} on {x.device} ({type(x).__name__})"
@@ -89,7 +92,7 @@ class Recorder:
             assert is_fake_cuda(cu) and cu.dtype == torch.int32 and cu.dim() == 1, (name, cu)
         for name, m in (("max_q", max_q), ("max_k", max_k)):
             assert type(m) is int, f"{name} must be a Python int, got {type(m).__name__}"
-        assert window in ((-1, -1), (-1, 0)), window
+        assert window in ((-1, -1), (-1, 0)) or (window[0] >= 0 and window[1] == 0), window
         gqa = kw.get("enable_gqa", False) or k.shape[1] != q.shape[1]
         with self.gpu.paused():
             bounds = cu_q.tolist()
@@ -102,8 +105,10 @@ class Recorder:
             for a, b in itertools.pairwise(bounds):
                 x = [t[a:b].transpose(0, 1)[None] for t in (q, k, v)]  # (1, H, L, D)
                 mask = None
-                if window == (-1, 0):
+                if window[1] == 0:  # causal, and (W, 0): at most W keys before the query
                     mask = torch.ones(b - a, b - a, dtype=torch.bool, device=q.device).tril()
+                    if window[0] >= 0:
+                        mask = mask.triu(-window[0])
                 o = _reference(*x, mask, scale, gqa, None)
                 pieces.append(o[0].transpose(0, 1))
             out = torch.cat(pieces) if pieces else out
@@ -248,8 +253,8 @@ def _expected_kernel(name, backend, dtype, D):
     document = name.startswith("document")
     if dtype == torch.float64 or D > 256:
         return None
-    if document and dtype != torch.float32 and D % 8 == 0:
-        return "varlen"
+    if (document or name == "sliding window") and dtype != torch.float32 and D % 8 == 0:
+        return "varlen"  # (a window over contiguous documents: varlen's window_size)
     if name == "causal":
         return None
     return "flex"
@@ -292,11 +297,68 @@ def test_flex_layers_make_no_sync_softcap_included(fake_cuda, kernels, softcap):
     q = torch.randn(2, 4, 200, 64, device="cuda", dtype=torch.bfloat16)
     with fake_cuda.count() as forward:
         for _ in range(6):  # six layers of one forward
-            flexpack.attention(q, q, q, gpu_mask.to("cuda"), softcap=softcap)
+            flexpack.attention(q, q, q, gpu_mask.to("cuda"), softcap=softcap, backend="flex")
     assert len(forward) <= 1, forward
     # Every layer after the first: not one sync (the cap is no new host-to-device copy).
     assert all(c.syncs_before == kernels.calls[0].syncs_before for c in kernels.calls)
     assert len(kernels.kernels("flex")) == 6
+
+
+@pytest.mark.parametrize("window", [0, 9, 40, 500])
+def test_windowed_documents_run_varlen_with_its_window_size(fake_cuda, kernels, window):
+    # document_causal & sliding_window(W) over contiguous documents: varlen's window_size=(W, 0)
+    # (a window longer than every document is plain causal), exact against float64.
+    d = torch.tensor([[0] * 70 + [1] * 90 + [2] * 30 + [-1] * 10, [0] * 150 + [1] * 50])
+    cpu = masks.document(d) & masks.causal() & masks.sliding_window(window)
+    gpu = masks.document(fake_cuda.to(d)) & masks.sliding_window(window) & masks.causal()
+    torch.manual_seed(0)
+    qc, kc = torch.randn(2, 4, 200, 64), torch.randn(2, 2, 200, 64)
+    q, k = (fake_cuda.to(x.to(torch.bfloat16)).requires_grad_() for x in (qc, kc))
+    with fake_cuda.count() as syncs:
+        out = flexpack.attention(q, k, k, gpu, enable_gqa=True)
+    assert len(syncs) <= 1, syncs
+    assert [c.kernel for c in kernels.calls] == ["varlen"]
+    assert kernels.calls[0].info["window"] == ((window, 0) if window < 149 else (-1, 0))
+    ref = references.reference_attention(
+        qc.bfloat16(), kc.bfloat16(), kc.bfloat16(), references.dense_mask(cpu), enable_gqa=True
+    )
+    torch.testing.assert_close(to_cpu(out).double(), ref.double(), atol=2e-2, rtol=2e-2)
+    with fake_cuda.paused():
+        out.float().sum().backward()
+    assert is_fake_cuda(q.grad)
+
+
+def test_windowed_documents_cut_into_runs_leave_varlen(fake_cuda, kernels):
+    # A document in two runs: the window counts row positions, varlen's the document's: flex.
+    d = torch.tensor([[0] * 40 + [1] * 60 + [0] * 50 + [-1] * 20 + [2] * 30])
+    m = masks.document(fake_cuda.to(d)) & masks.causal() & masks.sliding_window(17)
+    q = fake_cuda.to(torch.randn(1, 2, 200, 64).to(torch.bfloat16))
+    out = flexpack.attention(q, q, q, m)
+    assert [c.kernel for c in kernels.calls] == ["flex"]
+    cpu = masks.document(d) & masks.causal() & masks.sliding_window(17)
+    ref = references.reference_attention(
+        to_cpu(q), to_cpu(q), to_cpu(q), references.dense_mask(cpu)
+    )
+    torch.testing.assert_close(to_cpu(out).double(), ref.double(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(ValueError, match="cut into several runs"):
+        flexpack.attention(q, q, q, m, backend="varlen")
+
+
+@pytest.mark.parametrize("D", [128, 256])
+def test_wide_heads_train_flex_with_backward_blocks_that_fit_registers(fake_cuda, kernels, D):
+    # Gemma 2 (head dim 256, softcap: flex): the backward gets 32-row blocks; D=128 the defaults.
+    _, gpu_mask = _on(fake_cuda, "document_causal")
+    q = torch.randn(1, 2, 200, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    flexpack.attention(q, q, q, gpu_mask, softcap=50.0).float().sum().backward()
+    with torch.no_grad():
+        flexpack.attention(q, q, q, gpu_mask, softcap=50.0)  # no backward: no options
+    grad, no_grad = (c.info["kernel_options"] for c in kernels.calls)
+    assert no_grad is None
+    if D == 128:
+        assert grad is None
+    else:
+        assert grad == _attention_flex.WIDE_HEAD_BWD_OPTIONS
+        assert all(v % 32 == 0 and 128 % v == 0 for k, v in grad.items() if "BLOCK" in k)
 
 
 def test_softcap_makes_its_tensor_once_per_device(fake_cuda):
@@ -314,7 +376,7 @@ def test_variable_row_lengths_pad_to_buckets_on_cuda(fake_cuda, kernels):
         d = fake_cuda.to(torch.cat([torch.zeros(S // 2), torch.ones(S - S // 2)]).long()[None])
         m = masks.document(d) & masks.causal() & masks.sliding_window(32)
         q = torch.randn(1, 2, S, 64, device="cuda", dtype=torch.bfloat16)
-        out = flexpack.attention(q, q, q, m)
+        out = flexpack.attention(q, q, q, m, backend="flex")  # (auto: varlen)
         assert out.shape == q.shape
     from flexpack.attention import flex_row_length
 
@@ -342,7 +404,7 @@ def test_random_batch_shapes_reach_flex_in_buckets_on_cuda(fake_cuda, kernels):
         qc = torch.randn(B, 1, S, 16, generator=g).to(torch.bfloat16)
         q = fake_cuda.to(qc)
         with fake_cuda.count() as syncs:
-            out = flexpack.attention(q, q, q, m)
+            out = flexpack.attention(q, q, q, m, backend="flex")
         assert len(syncs) <= 1, syncs
         assert is_fake_cuda(out) and out.shape == q.shape
         if i < 3:
@@ -450,18 +512,38 @@ def test_gpu_bench_correctness_passes_on_cuda(fake_cuda, kernels):
     gpu = _gpu_bench()
     checks = gpu.correctness(torch.device("cuda"), S=150, dry_run=False)
     assert checks.failed == 0, "\n".join(checks.lines)
-    assert len(checks.lines) == 14
+    assert len(checks.lines) == 15
     assert {"flex", "varlen"} <= {c.kernel for c in kernels.calls}
+    windows = [c.info["window"] for c in kernels.kernels("varlen")]
+    assert (150 // 7, 0) in windows  # "auto sliding window": varlen's window_size
 
 
-def test_gpu_bench_quick_survives_failures_and_its_budget(
-    fake_cuda, kernels, monkeypatch, tmp_path
-):
+class _Clock:
+    """A clock that moves only when told: budgets judged on it do not depend on load."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def bench_on_fake_clock(fake_cuda, kernels, monkeypatch):
     gpu = _gpu_bench()
+    clock = _Clock()
+    monkeypatch.setattr(gpu, "_CLOCK", clock)  # (and no alarm: it would use the real clock)
     real_timer = gpu.make_timer
     monkeypatch.setattr(
         gpu, "make_timer", lambda device, **kw: real_timer(device, min_reps=1, budget_s=0)
     )
+    return gpu, clock
+
+
+def test_gpu_bench_quick_survives_failures_and_its_budget(
+    bench_on_fake_clock, monkeypatch, tmp_path
+):
+    gpu, _ = bench_on_fake_clock
     real = gpu.flexpack.attention
 
     def attention(*args, backend="auto", **kw):  # one backend broken: its lines fail, not the run
@@ -471,20 +553,88 @@ def test_gpu_bench_quick_survives_failures_and_its_budget(
 
     monkeypatch.setattr(gpu.flexpack, "attention", attention)
     out = tmp_path / "quick.md"
-    status = gpu.main(["--quick", "--sizes", "128", "256", "--out", str(out)])
+    small = ["--dims", "16", "--check-size", "150"]  # what the fake device computes in seconds
+    status = gpu.main(["--quick", "--sizes", "128", "256", *small, "--out", str(out)])
     report = out.read_text()
     assert status == 1  # a check failed ...
     assert "FAIL sdpa   bfloat16: RuntimeError: CUDA error" in report
-    assert "| 128 | flexpack flex |" in report and "| 256 | varlen_attn |" in report  # ... timed
+    for row in (  # ... and every row was timed, the dense-mask SDPA row too (mem_get_info)
+        "| 128 | 16 | document_causal | flexpack flex | ",
+        "| 256 | 16 | document_causal | varlen_attn | ",
+        "| 256 | 16 | document_causal | SDPA + dense mask | ",
+        "| 256 | 16 | tree | flexpack flex | ",
+        "| 256 | 16 | window | varlen_attn | ",
+    ):
+        line = next(x for x in report.splitlines() if x.startswith(row))
+        assert "failed" not in line and "skipped" not in line and " — " not in line, line
     assert "Skipped (budget): none" in report
-    # A budget too small for everything: steps are skipped and named, the run ends cleanly.
+    assert (tmp_path / "quick.log").read_text().count("FAIL sdpa   bfloat16") >= 1  # the log
+    # A budget too small for a compile: steps are skipped and named, the run ends cleanly.
     monkeypatch.setattr(gpu.flexpack, "attention", real)
-    status = gpu.main(["--quick", "--sizes", "128", "--out", str(out), "--budget", "20"])
+    status = gpu.main(["--quick", "--sizes", "128", *small, "--out", str(out), "--budget", "20"])
     report = out.read_text()
     assert "Skipped (budget): " in report and "Skipped (budget): none" not in report
-    assert "skip flex   bfloat16: skipped: budget" in report  # its compile does not fit
-    # no correctness check failed (the speed-target rows judge fake timings: PASS or FAIL by load)
+    assert "skip flex   bfloat16: skipped: budget (27 s needed, 20 s left)" in report
+    assert "| 128 | 16 | document_causal | varlen_attn | " in report  # what fits still runs
+    # no correctness check failed (the speed-target rows judge fake timings: PASS or FAIL)
     assert not re.search(r"^\s*FAIL ", report, re.M) and status == 0
+
+
+@pytest.mark.parametrize("wrapper", ["InternalTorchDynamoError", "TorchRuntimeError", "plain"])
+def test_gpu_bench_budget_stop_inside_a_compile_is_a_stop(
+    bench_on_fake_clock, monkeypatch, tmp_path, wrapper
+):
+    # The alarm fires inside torch.compile: dynamo wraps the stop (or loses it); once the
+    # budget is spent, whatever comes out is the budget's stop, never a FAIL.
+    gpu, clock = bench_on_fake_clock
+    real = gpu.flexpack.attention
+
+    def attention(*args, backend="auto", **kw):
+        if backend == "flex":
+            clock.t = 1000.0  # the budget is spent while compiling
+            err = getattr(torch._dynamo.exc, wrapper, RuntimeError)
+            raise err("compile interrupted")
+        return real(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(gpu.flexpack, "attention", attention)
+    out = tmp_path / "gpu.md"
+    argv = ["--sizes", "128", "--dims", "16", "--check-size", "150", "--budget", "300"]
+    status = gpu.main([*argv, "--out", str(out)])
+    report = out.read_text()
+    assert status == 0 and not re.search(r"^\s*FAIL ", report, re.M), report
+    assert "skip flex   bfloat16: stopped, the time budget ran out" in report
+    assert "skip auto   sliding window: skipped: budget" in report  # nothing after it ran
+
+
+def test_gpu_bench_budget_stop_is_found_through_dynamo_wrappers():
+    gpu = _gpu_bench()
+    try:
+        try:
+            raise gpu.OutOfTime("the run's time budget ran out during this step")
+        except gpu.OutOfTime as err:
+            raise torch._dynamo.exc.InternalTorchDynamoError("wrapped") from err
+    except Exception as err:
+        assert gpu.budget_stop(err)
+    assert not gpu.budget_stop(RuntimeError("a real failure"))  # no budget running
+    with gpu.Budget(10.0) as budget:
+        assert not gpu.budget_stop(RuntimeError("a real failure"))
+        budget.fired = True
+        assert gpu.budget_stop(RuntimeError("anything, once the alarm fired"))
+
+
+def test_gpu_bench_writes_under_out_by_default(monkeypatch, tmp_path):
+    gpu = _gpu_bench()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert gpu.default_out(dry_run=False, quick=False) == tmp_path / "gpu.md"
+    assert gpu.default_out(dry_run=False, quick=True) == tmp_path / "gpu.md"
+    dry = gpu.default_out(dry_run=True, quick=False)
+    assert "flexpack-gpu-dry-run-" in str(dry) and "bench/results" not in str(dry)
+    monkeypatch.delenv("OUT")
+    assert gpu.default_out(dry_run=False, quick=True).parts[-3:] == (
+        "bench",
+        "results",
+        "gpu-quick.md",
+    )
 
 
 # ----------------------------------------------------------------------------- integrations
