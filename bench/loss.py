@@ -18,7 +18,7 @@ profiler memory events; bench/_machine.py). Time: the same single call (the prof
 is per op: small beside these matmuls). The logits path is skipped where its logits alone would
 pass ``--max-logits-gib``.
 
-    python bench/loss.py [--threads 2] [--max-logits-gib 1.5]
+    python bench/loss.py [--threads 2] [--max-logits-gib 1.5] [--shape S,C,V ...]
 """
 
 from __future__ import annotations
@@ -86,7 +86,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--max-logits-gib", type=float, default=1.5)
+    parser.add_argument(
+        "--shape", action="append", default=None, help="S,C,V (repeat for several; default: "
+        + " ".join(",".join(map(str, s)) for s in SHAPES) + ")",
+    )  # fmt: skip
     args = parser.parse_args()
+    shapes = SHAPES if args.shape is None else [tuple(map(int, s.split(","))) for s in args.shape]
     torch.set_num_threads(args.threads)
     print(f"# {describe()}, torch {torch.__version__}, {args.threads} threads, float32")
     print(
@@ -94,7 +99,7 @@ def main() -> None:
         "load avg |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    for S, C, V in SHAPES:
+    for S, C, V in shapes:
         g = torch.Generator().manual_seed(0)
         hidden = torch.randn(1, S, C, generator=g).requires_grad_()
         weight = (torch.randn(V, C, generator=g) / C**0.5).requires_grad_()

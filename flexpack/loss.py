@@ -255,8 +255,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             g = g.to(weight.dtype)
             if need_h:
                 grad_h.index_copy_(0, r, g @ weight)  # (n, C): each row once
-            if need_w:
-                grad_w += g.t() @ h  # (V, C)
+            if need_w and grad_w.dtype == g.dtype:
+                grad_w.addmm_(g.t(), h)  # (V, C), in place: no (V, C) temporary
+            elif need_w:  # bf16 products, accumulated in float32
+                grad_w += g.t() @ h
         ctx.grads = (grad_h, grad_w, grad_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         return loss
