@@ -990,24 +990,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_RING_MIN_TOKENS = 16384  # CPU: below this many tokens per batch the all-gather is faster
-_RING_MIN_BYTES_CUDA = 1 << 30  # CUDA: ring only when the gathered K/V would pass 1 GiB
+_RING_MIN_BYTES = 16 << 20  # CPU: the ring from 16 MiB of gathered K/V per layer
+_RING_MIN_BYTES_CUDA = 1 << 30  # CUDA: from 1 GiB (the all-gather runs compiled flex there)
 
 
 def _auto_schedule(q: Tensor, k: Tensor, shard: ContextShard) -> str:
-    """The schedule ``schedule="auto"`` runs: "all_gather" on one rank, on short batches and
-    at two ranks (one collective beats W steps there, and the ring saves at most half of the
-    K/V); "ring" from four ranks on long batches, where the gathered K/V is the memory wall.
-    On CUDA the all-gather path runs compiled flex and the ring the tile loop, so the ring is
-    taken only when the gathered K/V of a layer would pass 1 GiB."""
+    """The schedule ``schedule="auto"`` runs: "all_gather" on one or two ranks (one collective
+    beats W steps, and the ring would save at most half of the K/V) and while the gathered K/V
+    of a layer (2 * B * S * Hkv * D elements) is small; "ring" from three ranks once it passes
+    16 MiB on CPU, 1 GiB on CUDA, where that O(S) per layer and rank is the memory wall (on
+    CUDA the all-gather path runs compiled flex, the ring its tile loop)."""
     W = shard.world_size
-    if W == 1:
+    if W <= 2:
         return "all_gather"
     B, S = shard.shape
-    if q.device.type == "cuda":
-        gathered = 2 * B * S * k.shape[1] * k.shape[3] * k.element_size()
-        return "ring" if gathered > _RING_MIN_BYTES_CUDA else "all_gather"
-    return "ring" if W >= 4 and B * S >= _RING_MIN_TOKENS else "all_gather"
+    gathered = 2 * B * S * k.shape[1] * k.shape[3] * k.element_size()
+    limit = _RING_MIN_BYTES_CUDA if q.device.type == "cuda" else _RING_MIN_BYTES
+    return "ring" if gathered >= limit else "all_gather"
 
 
 class _RingAttention(torch.autograd.Function):
