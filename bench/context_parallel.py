@@ -3,6 +3,8 @@ a CP step costs on CPU, and data-parallel balance by compute instead of tokens.
 
     python bench/context_parallel.py --write bench/results/context_parallel.md
     python bench/context_parallel.py --quick          # smaller, for a smoke run
+    python bench/context_parallel.py --memory-only    # 4: ring vs all-gather (W = 4 and 8)
+    python bench/context_parallel.py --balance-only   # 5: short rows, plan time
 
 1. Imbalance. Rows of S = 32K and 128K tokens; lognormal documents (sigma 1.0) of median 300,
    1000, 3000 and 8000 tokens, each row with one long document of 30-60% of S; 4 rows per
@@ -28,6 +30,15 @@ a CP step costs on CPU, and data-parallel balance by compute instead of tokens.
    flexpack.attention on the whole row; median of interleaved repeats, as ratios. On a 2-core
    machine shared with other jobs, 4 processes contend for 2 cores: the ratios say what the
    all-gather and the split cost here, not what 4 GPUs gain.
+
+4. Ring vs all-gather (``--memory-only``): per-rank memory kept from forward to backward, peak
+   memory and bytes sent (``shard.stats``) of one attention forward + backward under each
+   schedule, S = 16K-128K, W = 4 and 8 (gloo, one process per rank), tiny heads (2 x 16) so
+   the CPU time stays in minutes; and what ``schedule="auto"`` picks.
+
+5. Short rows (``--balance-only``; also in the full run): the worst row's max / mean at 4K and
+   8K on the bundled corpus and lognormal rows, W = 2, 4, 8; plan time at 128K (CPU and wall,
+   a new layout and a cached one).
 
 3. Data-parallel balance. Rows packed with ``flexpack.pack`` (bfd) are dealt to W = 4 ranks,
    one row per rank per step, by ``shard_rows(shuffle=True)`` with cost = tokens (today's
