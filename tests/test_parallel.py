@@ -454,3 +454,14 @@ def test_stats_say_which_schedule_ran() -> None:
     assert s.stats.bytes_sent == 0  # one rank: nothing moves
     with pytest.raises(ValueError, match="schedule must be one of"):
         context_parallel_attention(q, q, q, s, schedule="zigzag")
+
+
+def test_ring_skips_blocks_whose_documents_meet_no_query() -> None:
+    """Documents that never cross a rank's share: every other rank's block has no tile."""
+    from flexpack.parallel import _ring_plan
+
+    d = torch.repeat_interleave(torch.arange(4), 16)[None]  # 4 documents of 16, 4 ranks of 16
+    for r in range(4):
+        s = shard_context(d, 4, r, balance="contiguous")
+        tiles = _ring_plan(s, True, 2, d.device).tiles
+        assert [bool(t) for t in tiles] == [src == r for src in range(4)]
