@@ -3,6 +3,8 @@ a CP step costs on CPU, and data-parallel balance by compute instead of tokens.
 
     python bench/context_parallel.py --write bench/results/context_parallel.md
     python bench/context_parallel.py --quick          # smaller, for a smoke run
+    python bench/context_parallel.py --memory-only    # 4: ring vs all-gather (W = 4 and 8)
+    python bench/context_parallel.py --balance-only   # 5: short rows, plan time
 
 1. Imbalance. Rows of S = 32K and 128K tokens; lognormal documents (sigma 1.0) of median 300,
    1000, 3000 and 8000 tokens, each row with one long document of 30-60% of S; 4 rows per
@@ -28,6 +30,15 @@ a CP step costs on CPU, and data-parallel balance by compute instead of tokens.
    flexpack.attention on the whole row; median of interleaved repeats, as ratios. On a 2-core
    machine shared with other jobs, 4 processes contend for 2 cores: the ratios say what the
    all-gather and the split cost here, not what 4 GPUs gain.
+
+4. Ring vs all-gather (``--memory-only``): per-rank memory kept from forward to backward, peak
+   memory and bytes sent (``shard.stats``) of one attention forward + backward under each
+   schedule, S = 16K-128K, W = 4 and 8 (gloo, one process per rank), tiny heads (2 x 16) so
+   the CPU time stays in minutes; and what ``schedule="auto"`` picks.
+
+5. Short rows (``--balance-only``; also in the full run): the worst row's max / mean at 4K and
+   8K on the bundled corpus and lognormal rows, W = 2, 4, 8; plan time at 128K (CPU and wall,
+   a new layout and a cached one).
 
 3. Data-parallel balance. Rows packed with ``flexpack.pack`` (bfd) are dealt to W = 4 ranks,
    one row per rank per step, by ``shard_rows(shuffle=True)`` with cost = tokens (today's
@@ -177,6 +188,71 @@ def imbalance_table(sizes, medians, worlds, rows: int) -> list[str]:
     return lines
 
 
+def corpus_rows(S: int) -> list[np.ndarray]:
+    """The bundled corpus (UTF-8 bytes as tokens) packed into rows of S tokens, as doc ids."""
+    seg = flexpack.pack(corpus_lengths(), S, overflow="split").segments
+    rows = []
+    for r in np.unique(seg[:, 0]):
+        n = seg[seg[:, 0] == r][:, 3] - seg[seg[:, 0] == r][:, 2]
+        ids = np.full(S, -1)
+        ids[: n.sum()] = np.repeat(np.arange(n.size), n)
+        rows.append(ids)
+    return rows
+
+
+def short_rows_table() -> list[str]:
+    """Worst row's max / mean at 4K and 8K (every corpus row, 12 lognormal rows), and the plan
+    time at 128K: cold (a new layout) and cached (the layout again), one thread."""
+    from flexpack import parallel
+
+    lines = [
+        "| S | rows | W | worst row: contiguous | head-tail (torch's) | flexpack |",
+        "|---|---|---|---|---|---|",
+    ]
+    for S in (4096, 8192):
+        rng = np.random.default_rng(S)
+        rows = corpus_rows(S) + [lognormal_row(S, m, rng) for m in (300, 1000, 3000, 8000)
+                                 for _ in range(3)]  # fmt: skip
+        for world in (2, 4, 8):
+            worst = {}
+            for ids in rows:
+                d = torch.from_numpy(ids)[None]
+                for name, balance in (("contiguous", "contiguous"), ("head-tail", "head_tail"),
+                                      ("flexpack", "work")):  # fmt: skip
+                    imb = shard_context(d, world, 0, balance=balance).imbalance
+                    worst[name] = max(worst.get(name, 1.0), imb)
+            lines.append(
+                f"| {S // 1024}K | {len(rows)} | {world} | {worst['contiguous']:.3f} | "
+                f"{worst['head-tail']:.3f} | **{worst['flexpack']:.3f}** |"
+            )
+            print(lines[-1], flush=True)
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(128)
+    lines += [
+        "",
+        "Plan time at 128K (median of 6 rows): CPU time of the process (what the planning costs"
+        " one core, whatever else runs) and wall time.",
+        "",
+        "| S | W | new layout: CPU | wall | cached layout: CPU | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for world in (2, 4, 8):
+        times: dict[str, list[float]] = {}
+        for median in (300, 1000, 3000, 8000, 300, 3000):
+            d = torch.from_numpy(lognormal_row(131072, median, rng))[None]
+            parallel._PLANS.clear()
+            for name, rank in (("cold", 0), ("cached", 1)):
+                t, c = time.perf_counter(), time.process_time()
+                shard_context(d, world, rank)
+                times.setdefault(name + " cpu", []).append(time.process_time() - c)
+                times.setdefault(name + " wall", []).append(time.perf_counter() - t)
+        m = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        lines.append(f"| 128K | {world} | {m['cold cpu']:.0f} ms | {m['cold wall']:.0f} ms | "
+                     f"{m['cached cpu']:.1f} ms | {m['cached wall']:.1f} ms |")  # fmt: skip
+        print(lines[-1], flush=True)
+    return lines
+
+
 # ------------------------------------------------------------------------------- wall time
 
 WALL_S, WALL_H, WALL_D, REPEATS = 4096, 4, 64, 5
@@ -304,6 +380,17 @@ def _live_and_peak(fn):
     return out, peak, live
 
 
+def _mem_row(S: int) -> np.ndarray:
+    """(S,) doc ids: lognormal documents of median MEM_MEDIAN (no long one: the memory and the
+    bytes do not depend on it, the CPU time does), the last 1/64 padding."""
+    rng = np.random.default_rng(S)
+    lengths = np.maximum(1, rng.lognormal(np.log(MEM_MEDIAN), 1.0, S // 10).astype(np.int64))
+    lengths = lengths[np.cumsum(lengths) <= S - S // 64]
+    ids = np.full(S, -1)
+    ids[: lengths.sum()] = np.repeat(np.arange(lengths.size), lengths)
+    return ids
+
+
 def _mem_step(shard, full: list[torch.Tensor], schedule: str) -> dict:
     """One attention forward + backward of this rank under ``schedule``: memory and bytes."""
     import torch.distributed as dist
@@ -330,7 +417,7 @@ def _mem_worker(rank: int, world: int, init: str, out: str, sizes: list[int]) ->
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     rows = []
     for S in sizes:
-        d = torch.from_numpy(lognormal_row(S, MEM_MEDIAN, np.random.default_rng(S)))[None]
+        d = torch.from_numpy(_mem_row(S))[None]
         g = torch.Generator().manual_seed(0)
         full = [torch.randn(1, MEM_H, S, MEM_D, generator=g) for _ in range(3)]
         for schedule in ("all_gather", "ring"):
@@ -350,13 +437,13 @@ def memory_table(sizes: list[int], worlds: list[int]) -> list[str]:
 
     kv_row = lambda S: 2 * S * MEM_H * MEM_D * 4  # k and v of the whole row, fp32
     lines = [
-        f"One row of S tokens (lognormal documents, median {MEM_MEDIAN}), B=1, H={MEM_H}, "
-        f"D={MEM_D}, float32, one attention forward + backward per rank (gloo, one process per "
-        "rank, 1 thread each). Per rank, the largest over the ranks: kept = tensor bytes the "
-        "layer holds from its forward to its backward (what every layer of a model keeps "
-        "without checkpointing), peak = peak live tensor bytes during forward + backward, sent "
-        "= bytes of K, V and their gradients sent (stats.bytes_sent). K+V of the whole row is "
-        "2 * S * H * D * 4 bytes.",
+        f"One row of S tokens (lognormal documents, median {MEM_MEDIAN}, 1/64 padding), B=1, "
+        f"H={MEM_H}, D={MEM_D}, float32, one attention forward + backward per rank (gloo, one "
+        f"process per rank, 1 thread each). Per rank, the largest over the ranks: kept = "
+        f"tensor bytes the layer holds from its forward to its backward (what every layer of a"
+        f" model keeps without checkpointing), peak = peak live tensor bytes during forward + "
+        f"backward, sent = bytes of K, V and their gradients sent (stats.bytes_sent). K+V of "
+        f"the whole row is 2 * S * H * D * 4 bytes.",
         "",
         "| S | W | K+V of the row | schedule | kept | peak | sent | wall (s) | auto picks |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -451,12 +538,16 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer rows, 32K only, no wall time")
     parser.add_argument("--wall-only", action="store_true", help="only the CPU wall times")
     parser.add_argument("--no-wall", action="store_true", help="skip the CPU wall times")
+    parser.add_argument("--balance-only", action="store_true", help="only short rows, plan time")
     parser.add_argument(
         "--memory-only", action="store_true", help="only ring vs all-gather: memory, bytes moved"
     )
     args = parser.parse_args()
     if args.wall_only:
         print("\n".join(wall_table()))
+        return
+    if args.balance_only:
+        print("\n".join(short_rows_table()))
         return
     if args.memory_only:
         sizes = [16384, 32768] if args.quick else [16384, 32768, 65536, 131072]
@@ -470,6 +561,9 @@ def main() -> None:
     sizes = (32768,) if args.quick else (32768, 131072)
     lines = [*head, "### Work imbalance (max / mean over ranks; 1.00 is even)", ""]
     lines += imbalance_table(sizes, (300, 1000, 3000, 8000), (2, 4, 8), 1 if args.quick else 4)
+    if not args.quick:
+        lines += ["", "### Short rows (worst row) and plan time", ""]
+        lines += short_rows_table()
     lines += ["", "### Data-parallel balance by compute", ""]
     lines += dp_table(4, 2 if args.quick else 8)
     if not (args.quick or args.no_wall):

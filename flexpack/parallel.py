@@ -2,9 +2,11 @@
 
 A packed row too long for one device is split along the sequence across the ranks of a
 context-parallel group. Each rank holds ``S // world_size`` tokens of every row; attention
-gathers the keys and values of the whole row (one all-gather per layer) and each rank attends
-its own queries to the keys their documents allow, exactly: the result is the single-process
-``flexpack.attention`` on the full row, at this rank's positions.
+either gathers the keys and values of the whole row (one all-gather per layer) or passes them
+around the group in blocks (a ring: K/V memory O(S / W) per rank, partial results merged by
+their log-sum-exp), and each rank attends its own queries to the keys their documents allow,
+exactly: the result is the single-process ``flexpack.attention`` on the full row, at this
+rank's positions.
 
 The split decides the speed. Under a document-causal mask a query at position ``i`` of its
 document sees ``i + 1`` keys, so a contiguous split leaves the rank holding the end of a long
@@ -23,6 +25,8 @@ S_l = S // W tokens per rank, H heads, D head dimension.
   forward and backward (the gradient of each key and value lands on the rank that holds it).
 - :func:`shard_block_mask`: the (S_l, S) BlockMask of a shard, which the CUDA path runs flex
   with.
+- :class:`ContextStats` (``shard.stats``): which schedule ran ("all_gather" or "ring"), the
+  bytes this rank sent, the ring blocks it skipped.
 """
 
 from __future__ import annotations
@@ -287,6 +291,8 @@ class ContextShard:
         gathered_index: (B, S) int64 positions in all-gather order: rank 0's ``index``, then
             rank 1's, ... (what torch's ``_LoadBalancer._generate_indices()`` returns).
         row_doc_ids: (B, S) int64 document ids of the whole rows (the keys' side).
+        fingerprint: (S, B, world_size, balance, block_size, 56-bit hash of doc_ids): what
+            the ranks of a group check they agree on (once, at the first collective).
     """
 
     index: Tensor
@@ -1000,24 +1006,23 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_RING_MIN_TOKENS = 16384  # CPU: below this many tokens per batch the all-gather is faster
-_RING_MIN_BYTES_CUDA = 1 << 30  # CUDA: ring only when the gathered K/V would pass 1 GiB
+_RING_MIN_BYTES = 16 << 20  # CPU: the ring from 16 MiB of gathered K/V per layer
+_RING_MIN_BYTES_CUDA = 1 << 30  # CUDA: from 1 GiB (the all-gather runs compiled flex there)
 
 
 def _auto_schedule(q: Tensor, k: Tensor, shard: ContextShard) -> str:
-    """The schedule ``schedule="auto"`` runs: "all_gather" on one rank, on short batches and
-    at two ranks (one collective beats W steps there, and the ring saves at most half of the
-    K/V); "ring" from four ranks on long batches, where the gathered K/V is the memory wall.
-    On CUDA the all-gather path runs compiled flex and the ring the tile loop, so the ring is
-    taken only when the gathered K/V of a layer would pass 1 GiB."""
+    """The schedule ``schedule="auto"`` runs: "all_gather" on one or two ranks (one collective
+    beats W steps, and the ring would save at most half of the K/V) and while the gathered K/V
+    of a layer (2 * B * S * Hkv * D elements) is small; "ring" from three ranks once it passes
+    16 MiB on CPU, 1 GiB on CUDA, where that O(S) per layer and rank is the memory wall (on
+    CUDA the all-gather path runs compiled flex, the ring its tile loop)."""
     W = shard.world_size
-    if W == 1:
+    if W <= 2:
         return "all_gather"
     B, S = shard.shape
-    if q.device.type == "cuda":
-        gathered = 2 * B * S * k.shape[1] * k.shape[3] * k.element_size()
-        return "ring" if gathered > _RING_MIN_BYTES_CUDA else "all_gather"
-    return "ring" if W >= 4 and B * S >= _RING_MIN_TOKENS else "all_gather"
+    gathered = 2 * B * S * k.shape[1] * k.shape[3] * k.element_size()
+    limit = _RING_MIN_BYTES_CUDA if q.device.type == "cuda" else _RING_MIN_BYTES
+    return "ring" if gathered >= limit else "all_gather"
 
 
 class _RingAttention(torch.autograd.Function):
@@ -1321,17 +1326,30 @@ def context_parallel_attention(
 ) -> Tensor:
     """Attention of this rank's queries to the whole row's keys, under the document mask.
 
-    k and v are all-gathered across ``group`` (one collective each, differentiable: the
-    backward reduce-scatters their gradients, so each key's gradient lands on the rank that
-    holds it) and put back in row order; then this rank's queries attend the keys their
-    documents allow, in row positions: a query at position p sees the keys of its document at
-    positions <= p (``mask="document_causal"``) or all of them (``"document"``). The result
-    equals ``flexpack.attention`` on the full rows at ``shard.index``, forward and backward.
+    Two schedules, the same result: this rank's queries attend the keys their documents
+    allow, in row positions: a query at position p sees the keys of its document at positions
+    <= p (``mask="document_causal"``) or all of them (``"document"``). The result equals
+    ``flexpack.attention`` on the full rows at ``shard.index``, forward and backward.
 
-    On CUDA the local attention is compiled flex_attention with an (S_l, S) BlockMask built
-    from the shard's ids (:func:`shard_block_mask`, once per shard); elsewhere (and on CUDA for
-    float64 or head dims above 256, which flex does not take) one SDPA call per run of a
-    document's queries, with a backward.
+    - ``"all_gather"``: k and v are all-gathered across ``group`` (one collective each,
+      differentiable: the backward reduce-scatters their gradients, so each key's gradient
+      lands on the rank that holds it) and put back in row order. On CUDA the local attention
+      is compiled flex_attention with an (S_l, S) BlockMask built from the shard's ids
+      (:func:`shard_block_mask`, once per shard); elsewhere (and on CUDA for float64 or head
+      dims above 256, which flex does not take) one SDPA call per run of a document's queries.
+      Keeps the whole row's k and v (O(S) per rank) for the backward.
+    - ``"ring"``: k and v travel around the group in W - 1 point-to-point passes (isend /
+      irecv of the next block while the current one is computed); each block's partial output
+      merges by its log-sum-exp; the backward passes k, v and their gradient accumulators
+      around again. Keeps this rank's k and v only (O(S / W)); sends 1.5-1.75x the bytes.
+      Tiles run through torch's CPU flash kernel (the matmul path with softcap or on CUDA);
+      blocks whose documents meet none of this rank's queries are skipped.
+    - ``"auto"`` (default): the all-gather on one or two ranks and while a layer's gathered k
+      and v are under 16 MiB (1 GiB on CUDA), the ring otherwise.
+
+    ``shard.stats`` reports the schedule that ran, the bytes sent and the blocks skipped. The
+    first collective on a shard checks (one small all-gather, once) that every rank built its
+    shard from the same batch.
 
     Args:
         q: (B, Hq, S_l, D) this rank's queries, in ``shard.index`` order (``shard.take``).
@@ -1343,6 +1361,7 @@ def context_parallel_attention(
         scale: softmax scale; default ``1 / sqrt(D)``.
         enable_gqa: allow Hkv < Hq (grouped-query attention; k and v are gathered at Hkv).
         softcap: attention-logit soft-capping as in Gemma 2 (``flexpack.attention``'s).
+        schedule: "auto" (default), "all_gather" or "ring".
 
     Returns:
         (B, Hq, S_l, D) in q's dtype (the autocast dtype inside ``torch.autocast``); 0 on
@@ -1350,8 +1369,9 @@ def context_parallel_attention(
 
     Raises:
         TypeError: q, k, v not floating tensors of one dtype; shard not a ContextShard.
-        ValueError: shapes that do not match the shard, an unknown mask, a group whose size or
-            rank differs from the shard's, or no process group for a multi-rank shard.
+        ValueError: shapes that do not match the shard, an unknown mask or schedule, a group
+            whose size or rank differs from the shard's, no process group for a multi-rank
+            shard, or ranks whose shards differ (doc_ids, S, B or the plan's arguments).
 
     Example:
         >>> import flexpack

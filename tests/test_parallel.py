@@ -427,3 +427,41 @@ def test_torch_flex_cp_block_mask_takes_the_shards_balancer() -> None:
         )
         got = dense_mask(bm, 1, 1, 256, 512)[:, 0]
         assert torch.equal(got, dense[:, s.index[0]][:, :, s.gathered_index[0]])
+
+
+def test_auto_schedule_keeps_the_all_gather_where_the_ring_saves_little() -> None:
+    from flexpack.parallel import _auto_schedule
+
+    def pick(S, world, heads=8, dim=128, dtype=torch.bfloat16):
+        shard = shard_context(torch.zeros(1, S, dtype=torch.long), world, 0)
+        k = torch.empty(1, heads, S // world, dim, dtype=dtype, device="meta")
+        return _auto_schedule(k, k, shard)
+
+    assert pick(4096, 1) == pick(131072, 2) == "all_gather"  # one rank; two: half at most
+    assert pick(2048, 4) == "all_gather"  # 8 MiB of K/V gathered: under the line
+    assert pick(16384, 4) == pick(131072, 8) == "ring"  # 64 MiB, 512 MiB per layer
+    assert pick(131072, 8, heads=2, dim=16, dtype=torch.float32) == "ring"  # 32 MiB
+
+
+def test_stats_say_which_schedule_ran() -> None:
+    d = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    s = shard_context(d, 1, 0)
+    q = torch.randn(1, 2, 8, 4)
+    assert s.stats.schedule is None and s.stats.calls == {}
+    context_parallel_attention(q, q, q, s)
+    context_parallel_attention(q, q, q, s, schedule="ring")
+    assert s.stats.schedule == "ring" and s.stats.calls == {"all_gather": 1, "ring": 1}
+    assert s.stats.bytes_sent == 0  # one rank: nothing moves
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        context_parallel_attention(q, q, q, s, schedule="zigzag")
+
+
+def test_ring_skips_blocks_whose_documents_meet_no_query() -> None:
+    """Documents that never cross a rank's share: every other rank's block has no tile."""
+    from flexpack.parallel import _ring_plan
+
+    d = torch.repeat_interleave(torch.arange(4), 16)[None]  # 4 documents of 16, 4 ranks of 16
+    for r in range(4):
+        s = shard_context(d, 4, r, balance="contiguous")
+        tiles = _ring_plan(s, True, 2, d.device).tiles
+        assert [bool(t) for t in tiles] == [src == r for src in range(4)]
