@@ -485,3 +485,55 @@ def test_gpt2_positions_count_from_the_first_real_token_as_generate_does(tokeniz
     assert padded.any() and (~padded).any()
     torch.testing.assert_close(theirs[~padded], sampled[~padded], atol=1e-5, rtol=0)
     assert (theirs[padded] - sampled[padded]).abs().max() > 1e-2  # shifted by the padding
+
+
+def test_grpo_prompts_sharing_a_beginning_pack_as_multi_level_trees(model_dir, tokenizer, tmp_path):
+    """Prompts that begin alike (a system prompt, earlier turns of one conversation) share
+    that beginning in one multi-level tree: S once, then each prompt's rest (one prompt is S
+    itself, one is a prefix of another), then the completions; TRL's tensors and gradients."""
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path)
+    model = trainer.model
+    model.gradient_checkpointing_disable()
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(0, V, (5,), generator=g).tolist()
+    rest = [[], [7, 8], [7, 8, 9], [11]]  # S, S+[7,8], S+[7,8,9], S+[11]
+    prompts = [shared + r for r in rest] + [[1, 2, 3]]  # and one unrelated prompt
+    P, C = 9, 4
+    rows, masks = [], []
+    for i, p in enumerate(prompts):
+        for j in range(2):  # 2 completions each, of lengths 1-4
+            c = torch.randint(0, V, (1 + (i + j) % 4,), generator=g).tolist()
+            rows.append([PAD] * (P - len(p)) + p + c + [PAD] * (C - len(c)))
+            masks.append([0] * (P - len(p)) + [1] * (len(p) + len(c)) + [0] * (C - len(c)))
+    ids, mask = torch.tensor(rows), torch.tensor(masks)
+    results = {}
+    for share in (0, 3):
+        trainer.flexpack_shared_prefix = share
+        before = trainer.flexpack_stats.tree_tokens
+        model.zero_grad()
+        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, C, compute_entropy=True
+        )
+        (lp.sum() + 0.1 * ent.sum()).backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results[share] = (lp, ent, grads, trainer.flexpack_stats.tree_tokens - before)
+    model.zero_grad()
+    want, want_ent, _ = trl.GRPOTrainer._get_per_token_logps_and_entropies(
+        trainer, model, ids, mask, C, compute_entropy=True
+    )
+    (want.sum() + 0.1 * want_ent.sum()).backward()
+    for lp, ent, grads, _ in results.values():
+        torch.testing.assert_close(lp, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+        for a, b in zip(grads, [p.grad for p in model.parameters()], strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert results[3][3] < results[0][3]  # packed rows' tokens (R * S)
+    # S (5 tokens) once instead of 4 times and [7, 8] once instead of twice: 17 fewer
+    real = [
+        ftrl._pack_rows(
+            ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:], share
+        ).batch.num_tokens
+        for share in (0, 3)
+    ]
+    assert real[1] == real[0] - 17
+    assert trainer.flexpack_stats.fallbacks == 0

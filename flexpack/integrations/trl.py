@@ -365,6 +365,10 @@ class _TreeMixin:
 
     #: ``flexpack.attention`` backend of the tree forwards (see :func:`tree_logps`).
     flexpack_backend: str = "auto"
+    #: Distinct prompts that begin with this many equal tokens or more (a system prompt, the
+    #: earlier turns of one conversation) share them in one multi-level tree; 0: only rows
+    #: with equal whole prompts share.
+    flexpack_shared_prefix: int = 16
 
     def _flexpack_start(self) -> None:
         """Before TRL's constructor, which may already forward (DPO's precomputed reference)."""
@@ -418,6 +422,115 @@ class _TreeMixin:
         self.flexpack_stats.calls += 1
         self.flexpack_stats.tree_tokens += R * S
         self.flexpack_stats.padded_tokens += padded[0] * padded[1]
+
+
+# ----------------------------------------------------------------------------- shared prefixes
+
+
+@dataclass(frozen=True, eq=False)
+class _PrefixTrees(PaddedTrees):
+    """:class:`PaddedTrees` whose trees share prompt prefixes at several levels: a rollout's
+    targets are its prompt tokens after its tree's root, then its completion, so the
+    completion of row b starts at target ``row_offset[b]``."""
+
+    row_offset: Tensor | None = None  # (B,) int64
+
+    def scatter(self, values: Tensor) -> Tensor:
+        B, C = self.completion_mask.shape
+        out = values.new_zeros((B, C, *values.shape[2:]))
+        has = self.row_rollout >= 0
+        rows = values[self.row_rollout.clamp(min=0)]  # (B, L)
+        L = rows.shape[1]
+        mask = self.completion_mask
+        j = torch.cumsum(mask, dim=1) - 1 + self.row_offset.to(mask.device)[:, None]
+        take = mask & has[:, None] & (j < L)
+        src = rows.gather(1, j.clamp(0, max(L - 1, 0)).to(torch.int64))
+        return torch.where(take.reshape(B, C, *[1] * (values.dim() - 2)), src, out)
+
+
+def _pack_rows(
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    completion_ids: Tensor,
+    completion_mask: Tensor,
+    min_shared: int,
+) -> PaddedTrees:
+    """:func:`flexpack.trees.pack_padded`, and where distinct prompts share a beginning of at
+    least ``min_shared`` tokens (a system prompt, earlier turns of one conversation), one
+    multi-level tree for them: the shared beginning once, then each prompt's rest, then its
+    completions (a prompt that is a prefix of another is a node with both below it)."""
+    import numpy as np
+
+    from flexpack.trees import pack_trees
+
+    flat = pack_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)  # validates
+    if min_shared < 1:
+        return flat
+    B, P = prompt_ids.shape
+    plen = prompt_mask.bool().sum(1).tolist()
+    clen = completion_mask.bool().sum(1).tolist()
+    pids = prompt_ids.detach().cpu().numpy()
+    cids = completion_ids.detach().cpu().numpy()
+    rows_of: dict[bytes, list[int]] = {}
+    prompt_of: dict[bytes, np.ndarray] = {}
+    for b in range(B):
+        if clen[b]:
+            p = pids[b, P - plen[b] :].astype(np.int64)
+            rows_of.setdefault(p.tobytes(), []).append(b)
+            prompt_of[p.tobytes()] = p
+    heads: dict[bytes, list[bytes]] = {}  # prompts by their first min_shared tokens
+    for key, p in prompt_of.items():
+        head = p[:min_shared].tobytes() if len(p) >= min_shared else b"whole:" + key
+        heads.setdefault(head, []).append(key)
+    if all(len(keys) == 1 for keys in heads.values()):
+        return flat  # nothing shared beyond whole prompts
+
+    def build(keys: list[bytes], depth: int) -> tuple[Any, list[int]]:
+        """The node of prompts ``keys`` (equal on [:depth]) and its rows, leaves in order."""
+        ps = [prompt_of[k] for k in keys]
+        end = min(len(p) for p in ps)
+        lcp = depth
+        while lcp < end and all(p[lcp] == ps[0][lcp] for p in ps):
+            lcp += 1
+        children, rows = [], []
+        for k, p in zip(keys, ps, strict=True):
+            if len(p) == lcp:  # this prompt ends here: its completions hang below
+                for b in rows_of[k]:
+                    children.append(cids[b, : clen[b]].astype(np.int64))
+                    rows.append(b)
+        below: dict[int, list[bytes]] = {}
+        for k, p in zip(keys, ps, strict=True):
+            if len(p) > lcp:
+                below.setdefault(int(p[lcp]), []).append(k)
+        for sub in below.values():
+            node, sub_rows = build(sub, lcp)
+            children.append(node)
+            rows.extend(sub_rows)
+        return (ps[0][depth:lcp], children), rows
+
+    trees, order, offset = [], [], torch.zeros(B, dtype=torch.int64)
+    for keys in heads.values():
+        tree, rows = build(keys, 0)
+        trees.append(tree)
+        order.extend(rows)
+        root = len(tree[0])
+        for b in rows:
+            offset[b] = plen[b] - root
+
+    def size(node: Any) -> int:
+        return len(node) if not isinstance(node, tuple) else len(node[0]) + sum(map(size, node[1]))
+
+    batch = pack_trees(trees, max(map(size, trees)), seed=None)  # one tree fits each row
+    row_rollout = torch.full((B,), -1, dtype=torch.int64)
+    for n, b in enumerate(order):
+        row_rollout[b] = n
+    device = completion_ids.device
+    return _PrefixTrees(
+        batch=batch.to(device) if device.type != "cpu" else batch,
+        row_rollout=row_rollout.to(device),
+        completion_mask=completion_mask.bool(),
+        row_offset=offset.to(device),
+    )
 
 
 # ----------------------------------------------------------------------------- GRPO and RLOO
@@ -477,7 +590,9 @@ def _per_token_logps_and_entropies(
     for start in range(0, B, step):
         ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
         try:
-            trees = pack_padded(ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:])
+            trees = _pack_rows(
+                ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:], self.flexpack_shared_prefix
+            )
         except ValueError as e:
             self._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
             return fallback()
