@@ -334,6 +334,9 @@ def _per_token_logps_and_entropies(
     if wrapper is not None:
         self._flexpack_fallback(f"the model is wrapped in {wrapper}, whose forward must run")
         return fallback()
+    if _recurrent(model):
+        self._flexpack_fallback(_RECURRENT)
+        return fallback()
     C = int(logits_to_keep)
     try:
         trees = pack_padded(
@@ -404,6 +407,20 @@ class _FusedOutput:
     loss: Tensor | None = None
 
 
+_RECURRENT = (
+    "the model has recurrent or convolutional token mixers (flexpack.mixers), whose state "
+    "cannot branch along a prefix tree"
+)
+
+
+def _recurrent(model: Any) -> bool:
+    """True for a model with linear-attention / SSM / conv mixers: TRL's own path (its padded
+    rows keep each sample's state to itself; flexpack.mixers drops the padding)."""
+    from flexpack.mixers import mixers_of
+
+    return bool(mixers_of(_inner(getattr(model, "module", model))))
+
+
 class _TreeCaller:
     """Stands for the model in DPO's forward: ``model(input_ids=..., labels=..., fused_lm_head=
     True)`` answered from one tree forward, in TRL's layout (position t - 1 scores token t)."""
@@ -419,6 +436,9 @@ class _TreeCaller:
         others = [k for k, v in kwargs.items() if k not in known and v is not None]
         if args or not kwargs.get("fused_lm_head") or others:
             self.trainer._flexpack_fallback(f"DPO passed inputs flexpack does not pack ({others})")
+            return self.model(*args, **kwargs)
+        if _recurrent(self.model):
+            self.trainer._flexpack_fallback(_RECURRENT)
             return self.model(*args, **kwargs)
         input_ids, attention_mask, labels = (
             kwargs[k] for k in ("input_ids", "attention_mask", "labels")

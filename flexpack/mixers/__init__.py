@@ -288,6 +288,12 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             stacklevel=3,
         )
         bound[cache_name] = None
+    if bound.get("flexpack_mask") is not None:
+        raise ValueError(
+            f"{type(module).__name__} keeps a recurrent / convolutional state along the row, "
+            "which cannot follow a flexpack_mask (a prefix tree or a custom mask); run this "
+            "model on document rows (doc_ids / position_ids), e.g. TRL's own trainers' path."
+        )
     plan = call.plan_for(B, S, bound, x.device)
     if plan.single:
         return own(x, **{k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS})
