@@ -55,6 +55,7 @@ __all__ = [
     "is_adapted",
     "mixers_of",
     "restore",
+    "uses_kernels",
 ]
 
 # Most specific first: a gated delta net also calls causal_conv1d_fn.
