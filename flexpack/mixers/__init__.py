@@ -193,7 +193,17 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
         _install(module, rooms[name], state.call)
         state.modules.append(module)
     _models[model] = state
+    _forget_checks(model)
     return model
+
+
+def _forget_checks(model: torch.nn.Module) -> None:
+    """The refusal registry's answer for ``model`` (kept per model) changes with adapt/restore."""
+    import sys
+
+    registry = sys.modules.get("flexpack.integrations._mixers_check")
+    if registry is not None:
+        registry._checked.pop(model, None)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:
@@ -204,6 +214,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         for module in state.modules:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_flexpack_room", None)
+        _forget_checks(model)
     return model
 
 
