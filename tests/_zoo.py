@@ -366,6 +366,29 @@ def table(
             detail = f"known leak: {known[name]} ({detail})"
         mixers = ", ".join(r.mixers) or "attention"
         lines.append(f"| `{name}` | {r.status} | {mixers} | {detail} |")
+    lines += _mixer_rooms()
     lines += ["", "Not decoder-only (not run):", ""]
     lines += [f"- `{name}`: {why}" for name, why in sorted(not_decoder_only.items())]
     return "\n".join(lines) + "\n"
+
+
+def _mixer_rooms() -> list[str]:
+    """The rooms of flexpack.mixers: how each kind of recurrent / conv mixer is kept exact."""
+    from flexpack import mixers
+
+    lines = [
+        "",
+        "## Recurrent, SSM and conv token mixers",
+        "",
+        "Made exact by `flexpack.mixers` (adapted per model instance at the first forward under "
+        "`register()`, or by `flexpack.mixers.adapt(model)` for models without attention); "
+        "the seams each room relies on, and what a transformers upgrade could break, are in "
+        "[mixers.md](mixers.md).",
+        "",
+        "| kind | recognised by | documents kept apart by |",
+        "|---|---|---|",
+    ]
+    for room in mixers.ROOMS:
+        found = ", ".join(f"`{f}`" for f in sorted(room.functions)) or "its decay buffers"
+        lines.append(f"| {room.name} | {found} | {room.how} |")
+    return lines
