@@ -194,8 +194,8 @@ def test_clear_errors():
         flexpack_attention_forward(
             attn, q, k, v, None, doc_ids=torch.zeros(1, 4, dtype=torch.int32)
         )
-    with pytest.raises(ValueError, match="s_aux"):
-        flexpack_attention_forward(attn, q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="position_bias"):
+        flexpack_attention_forward(attn, q, k, v, None, position_bias=torch.zeros(4))
     with pytest.raises(TypeError, match="PackedBatch"):
         packed_forward_kwargs({"input_ids": q})
     assert register() == "flexpack"

@@ -309,3 +309,24 @@ def test_packed_rows_with_a_cache_warn_and_stay_exact():
         with pytest.warns(UserWarning, match="generation cannot continue"):
             got = model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=True).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_trl_trees_take_trls_own_path_on_hybrid_models():
+    """A prefix tree cannot branch a recurrent state: the trainers take TRL's padded path, with
+    their fallback warning, and a tree mask reaching a mixer is refused by name."""
+    from types import SimpleNamespace
+
+    from flexpack.integrations import trl
+
+    model = _model("short_conv")
+    seen = []
+    fake = SimpleNamespace(
+        _trl_per_token_logps=lambda *a, **k: "trl's own",
+        _flexpack_fallback=seen.append,
+    )
+    ids = torch.randint(3, 64, (2, 6))
+    got = trl._per_token_logps_and_entropies(fake, model, ids, torch.ones_like(ids), 3)
+    assert got == "trl's own" and "recurrent or convolutional" in seen[0]
+    fm.adapt(model)
+    with pytest.raises(ValueError, match="cannot follow a flexpack_mask"):
+        model(input_ids=ids, flexpack_mask=object(), use_cache=False)

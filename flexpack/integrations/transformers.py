@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from flexpack._tensor_cache import Stamp, all_match, on_clear, stamps
-from flexpack.integrations import multimodal
+from flexpack.integrations import _mixers_check, multimodal
 from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
 
 NAME = "flexpack"
@@ -53,6 +53,26 @@ __all__ = [
 # layers (Gemma, Mistral-style configs) then build each mask once, not once per layer.
 _cache: dict[str, Any] = {}
 on_clear(_cache.clear)
+
+
+def _adapted_as(name: str, module: torch.nn.Module) -> bool:
+    return module.__dict__.get("_flexpack_room") == name
+
+
+def _register_mixer_kinds() -> None:
+    """The kinds flexpack.mixers makes exact (once adapted: the mask function adapts a model
+    before its first layer), ahead of the refused kinds they refine."""
+    import functools
+
+    from flexpack import mixers
+
+    for room in mixers.ROOMS:
+        _mixers_check.register_kind(
+            room.name, functools.partial(_adapted_as, room.name), exact=True, why=room.how
+        )
+
+
+_register_mixer_kinds()
 
 
 def _import_transformers():
@@ -120,6 +140,7 @@ def _pass_padding_mask(
     from flexpack import mixers
 
     mixers.adapt_caller(kwargs.get("config"))  # per-document state for recurrent / conv mixers
+    _mixers_check.check_call(None)  # models whose attention never calls flexpack's are refused here
     whole_rows = q_length is None or (q_length == kv_length and not q_offset and not kv_offset)
     if whole_rows:
         return attention_mask
@@ -312,8 +333,11 @@ def flexpack_attention_forward(
             .mask().block_mask()``, with the batch's ``position_ids``); on a sliding-window
             layer the window is composed with it (for a tree, in positions along each path),
             and ``image_span_ids`` (B, S) (Gemma 3 rows of ``pack_multimodal``: one image's
-            tokens attend both ways). Calls from a vision tower (module with a vision config)
-            run as transformers' ``sdpa``.
+            tokens attend both ways), ``s_aux`` (Hq,) attention-sink logits (gpt-oss). Calls
+            from a vision tower (module with a vision config) run as transformers' ``sdpa``.
+            Value heads of another width than q/k heads (MLA) are padded to the same width;
+            chunked-attention layers (Llama 4's ``attention_chunk_size``) get document &
+            causal & same chunk, chunks counted from each document's start.
 
     Returns:
         ``(attn_output, None)``, attn_output (B, S, Hq, D) as transformers expects.
@@ -321,7 +345,9 @@ def flexpack_attention_forward(
     Raises:
         ValueError: ``flexpack_mask`` with a KV cache, a tree ``flexpack_mask`` on a
             sliding-window layer without ``position_ids``, a foreign BlockMask on a
-            sliding-window layer, dropout, attention sinks, or document ids of the wrong shape.
+            sliding-window layer, dropout, document ids of the wrong shape, or a model flexpack
+            cannot keep exact on packed rows (a recurrent, conv or sparse-indexer token mixer,
+            its own attention code or a 4-D attention bias: see ``_mixers_check``).
 
     Example:
         >>> import torch
@@ -339,18 +365,22 @@ def flexpack_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
             kwargs=kwargs,
         )  # fmt: skip
+    _mixers_check.check_call(module)  # refuse, by name, what packed rows cannot keep exact
+    if value.shape[-1] != query.shape[-1]:  # MLA: value heads of another width than q/k heads
+        return _mla_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     B, Hq, S, _ = query.shape
     if dropout and module.training:
         raise ValueError(
             f"flexpack attention has no dropout, got dropout={dropout}; set the config's "
             f"{_dropout_field(module, dropout)} to 0.0 (or call model.eval())."
         )
-    for unsupported in ("s_aux", "position_bias"):
+    for unsupported in ("position_bias",):
         if kwargs.get(unsupported) is not None:
             raise ValueError(
                 f"flexpack attention does not support `{unsupported}` (this model passes it); "
                 "use attn_implementation='flex_attention' or 'eager' for this model."
             )
+    _refuse_attention_bias(module, attention_mask, key.shape[2] == S)
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -375,11 +405,14 @@ def flexpack_attention_forward(
                 f"{key.shape[2]} keys (a KV cache); drop flexpack_mask (or use_cache=False)."
             )
         out = _cache_attention(query, key, value, attention_mask, scaling, bool(is_causal),
-                               window, softcap)  # fmt: skip
+                               window, softcap, kwargs.get("s_aux"))  # fmt: skip
         return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
     backend = kwargs.get("flexpack_backend", "auto")
     if mask is not None and window is not None:
         mask = _windowed(mask, int(window), kwargs.get("position_ids"), query.device)
+        if isinstance(mask, _WindowedTree) and kwargs.get("s_aux") is not None:
+            out = _windowed_tree_sinks(query, key, value, mask, kwargs["s_aux"], scaling, softcap)
+            return out.transpose(1, 2).contiguous(), None
         if isinstance(mask, _WindowedTree):
             out = _windowed_tree_attention(
                 query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq,
@@ -392,6 +425,7 @@ def flexpack_attention_forward(
             query.device, B, S, attention_mask, kwargs, bool(is_causal)
         )
     if mask is None:
+        chunk = _attention_chunk(module)
         mask = _mask_for(
             query.device,
             B,
@@ -402,7 +436,17 @@ def flexpack_attention_forward(
             kwargs.get("position_ids"),
             bool(is_causal),
             kwargs.get("sliding_window"),
+            chunk,
         )
+    sinks = kwargs.get("s_aux")
+    if sinks is not None:  # gpt-oss: one sink logit per head in every softmax
+        from flexpack._attention_sinks import sink_attention
+
+        out = sink_attention(
+            query, key, value, mask, sinks, scale=scaling, enable_gqa=key.shape[1] != Hq,
+            softcap=softcap, backend=backend,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
     out = attention(
         query, key, value, mask, scale=scaling, enable_gqa=key.shape[1] != Hq,
         softcap=softcap, backend=backend,
@@ -427,6 +471,23 @@ def _dropout_field(module: Any, dropout: float) -> str:
     return next((n for n in _DROPOUT_FIELDS if hasattr(config, n)), "attention dropout")
 
 
+def _refuse_attention_bias(module: torch.nn.Module, mask: Tensor | None, whole_rows: bool) -> None:
+    """A 4-D float mask on whole rows that is more than allowed / not allowed (0 / -inf) is a
+    bias the model computed itself (Doge's dynamic mask, ALiBi): flexpack's masks cannot carry
+    it, so it would be dropped."""
+    if not (whole_rows and isinstance(mask, Tensor) and mask.dim() == 4):
+        return
+    if mask.is_floating_point() and bool(
+        ((mask != 0) & (mask > torch.finfo(mask.dtype).min / 2)).any()
+    ):
+        raise ValueError(
+            f"{type(module).__name__} passes flexpack attention its own 4-D attention bias (values "
+            "other than 0 and -inf, e.g. a dynamic mask or ALiBi); flexpack attention cannot add "
+            "it, so packed rows would not be exact. Run this model unpacked with "
+            "attn_implementation='sdpa'."
+        )
+
+
 def _mask_for(
     device: torch.device,
     B: int,
@@ -437,8 +498,10 @@ def _mask_for(
     position_ids: Tensor | None,
     is_causal: bool,
     sliding_window: int | None,
+    chunk: int | None = None,
 ):
-    """The flexpack mask of this forward, built once per (is_causal, window) for all layers."""
+    """The flexpack mask of this forward, built once per (is_causal, window, chunk) for all
+    layers."""
     sources = (padding, doc_ids, seq_idx, position_ids)
     # Stamps of the source tensors (identity, version, storage, CPU content: see _tensor_cache)
     # say whether this forward's inputs are the cached ones.
@@ -448,10 +511,32 @@ def _mask_for(
         _cache.clear()
         _cache.update(key=key, sources=stamps(sources), ids=ids, masks={})
     masks = _cache["masks"]
-    mask_key = (is_causal, sliding_window)
+    mask_key = (is_causal, sliding_window) if chunk is None else (is_causal, sliding_window, chunk)
     if mask_key not in masks:
-        masks[mask_key] = _build_mask(_cache["ids"], is_causal, sliding_window)
+        ids = _cache["ids"] if chunk is None else _chunk_ids(_cache["ids"], chunk)
+        masks[mask_key] = _build_mask(ids, is_causal, sliding_window)
     return masks[mask_key]
+
+
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4's ``attention_chunk_size`` on its
+    ``"chunked_attention"`` layers), else None."""
+    if not _mixers_check._chunked_attention(module):
+        return None
+    return int(module.config.attention_chunk_size)
+
+
+def _chunk_ids(doc_ids: Tensor, chunk: int) -> Tensor:
+    """(B, S) ids of the (document, chunk) pieces: Llama 4's chunked attention keeps a query on
+    the keys of its own chunk, chunks counted from the document's start (as the document alone
+    sees them). Each piece is then a document of its own: document & causal, per-piece kernels.
+    """
+    from flexpack.models.gpt import _positions_in_documents
+
+    ids = doc_ids.long()
+    pieces = ids.shape[1] // chunk + 2  # chunks per document, at most
+    within = _positions_in_documents(ids) // chunk
+    return torch.where(ids >= 0, ids * pieces + within, -1)
 
 
 def _doc_ids(
@@ -531,6 +616,7 @@ def _cache_attention(
     is_causal: bool,
     window: int | None,
     softcap: float | None,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Attention of Q queries against KV >= Q cached keys (generation), as transformers' sdpa.
 
@@ -565,10 +651,43 @@ def _cache_attention(
                 )
             pad = attention_mask[:, -KV:].to(device=query.device, dtype=torch.bool)
             allowed = allowed & pad[:, None, None, :]
+    if sinks is not None:
+        from flexpack._attention_sinks import dense_sink_attention
+
+        return dense_sink_attention(
+            query, key, value, allowed.to(query.device), sinks, scale=scaling, softcap=softcap
+        )
     return dense_sdpa(
         query, key, value, allowed.to(query.device), scale=scaling,
         enable_gqa=key.shape[1] != Hq, softcap=softcap,
     )  # fmt: skip
+
+
+def _mla_attention(
+    module: torch.nn.Module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> tuple[Tensor, None]:
+    """Multi-head latent attention (DeepSeek-V3, Kimi K2): values Dv wide, queries and keys Dqk.
+
+    Zero columns do not change a dot product or a weighted sum: the narrower of (q, k) and v is
+    zero-padded to the wider, the call runs with equal head dims on any path, and the output
+    keeps its first Dv columns. The scale stays Dqk's."""
+    Dqk, Dv = query.shape[-1], value.shape[-1]
+    scaling = Dqk**-0.5 if scaling is None else scaling
+    if Dv < Dqk:
+        value = torch.nn.functional.pad(value, (0, Dqk - Dv))
+    else:
+        query, key = (torch.nn.functional.pad(x, (0, Dv - Dqk)) for x in (query, key))
+    out, _ = flexpack_attention_forward(
+        module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+    )
+    return out[..., :Dv], None
 
 
 # ------------------------------------------------------------- windows on prebuilt masks
@@ -670,6 +789,26 @@ def _windowed_tree_attention(
     return _attention_tree.per_tree_sdpa(
         q, k, v, mask.pieces, scale=scale, enable_gqa=enable_gqa, softcap=softcap
     )
+
+
+def _windowed_tree_sinks(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: _WindowedTree,
+    sinks: Tensor,
+    scale: float | None,
+    softcap: float | None,
+) -> Tensor:
+    """Tree & position window with attention sinks: the dense twin with a sink column."""
+    from flexpack._attention_sdpa import dense_mask_from_mod
+    from flexpack._attention_sinks import dense_sink_attention
+
+    B, _, S, _ = q.shape
+    pos = mask.position_ids.to(q.device).expand(B, S)
+    near = pos[:, None, :, None] - pos[:, None, None, :] < mask.window  # (B, 1, S, S)
+    allowed = dense_mask_from_mod(mask.tree.mask_mod, B, 1, S, q.device) & near
+    return dense_sink_attention(q, k, v, allowed, sinks, scale=scale, softcap=softcap)
 
 
 def _window_pieces(pieces: list, position_ids: Tensor, window: int, B: int) -> list:

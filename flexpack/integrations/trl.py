@@ -583,6 +583,9 @@ def _per_token_logps_and_entropies(
     if any(v is not None for v in multimodal.values()):
         self._flexpack_fallback("multimodal inputs (images) are not packed as trees")
         return fallback()
+    if _recurrent(model):
+        self._flexpack_fallback(_RECURRENT)
+        return fallback()
     C = int(logits_to_keep)
     B = input_ids.shape[0]
     step = batch_size or B  # TRL's chunking of the no-grad passes, to bound their peak
@@ -660,6 +663,20 @@ class _FusedOutput:
     loss: Tensor | None = None
 
 
+_RECURRENT = (
+    "the model has recurrent or convolutional token mixers (flexpack.mixers), whose state "
+    "cannot branch along a prefix tree"
+)
+
+
+def _recurrent(model: Any) -> bool:
+    """True for a model with linear-attention / SSM / conv mixers: TRL's own path (its padded
+    rows keep each sample's state to itself; flexpack.mixers drops the padding)."""
+    from flexpack.mixers import mixers_of
+
+    return bool(mixers_of(_inner(getattr(model, "module", model))))
+
+
 class _TreeCaller:
     """Stands for the model in DPO's forward: ``model(input_ids=..., labels=..., fused_lm_head=
     True)`` answered from one tree forward, in TRL's layout (position t - 1 scores token t)."""
@@ -675,6 +692,9 @@ class _TreeCaller:
         others = [k for k, v in kwargs.items() if k not in known and v is not None]
         if args or not kwargs.get("fused_lm_head") or others:
             self.trainer._flexpack_fallback(f"DPO passed inputs flexpack does not pack ({others})")
+            return self.model(*args, **kwargs)
+        if _recurrent(self.model):
+            self.trainer._flexpack_fallback(_RECURRENT)
             return self.model(*args, **kwargs)
         input_ids, attention_mask, labels = (
             kwargs[k] for k in ("input_ids", "attention_mask", "labels")

@@ -55,6 +55,7 @@ __all__ = [
     "is_adapted",
     "mixers_of",
     "restore",
+    "uses_kernels",
 ]
 
 # Most specific first: a gated delta net also calls causal_conv1d_fn.
@@ -192,7 +193,17 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
         _install(module, rooms[name], state.call)
         state.modules.append(module)
     _models[model] = state
+    _forget_checks(model)
     return model
+
+
+def _forget_checks(model: torch.nn.Module) -> None:
+    """The refusal registry's answer for ``model`` (kept per model) changes with adapt/restore."""
+    import sys
+
+    registry = sys.modules.get("flexpack.integrations._mixers_check")
+    if registry is not None:
+        registry._checked.pop(model, None)
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:
@@ -203,6 +214,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         for module in state.modules:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_flexpack_room", None)
+        _forget_checks(model)
     return model
 
 
@@ -288,6 +300,12 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             stacklevel=3,
         )
         bound[cache_name] = None
+    if bound.get("flexpack_mask") is not None:
+        raise ValueError(
+            f"{type(module).__name__} keeps a recurrent / convolutional state along the row, "
+            "which cannot follow a flexpack_mask (a prefix tree or a custom mask); run this "
+            "model on document rows (doc_ids / position_ids), e.g. TRL's own trainers' path."
+        )
     plan = call.plan_for(B, S, bound, x.device)
     if plan.single:
         return own(x, **{k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS})

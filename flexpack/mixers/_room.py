@@ -24,24 +24,19 @@ __all__ = ["Room", "hub_functions", "uses_kernels"]
 
 @functools.cache
 def _hub_functions_of(cls: type) -> tuple[tuple[str, Callable], ...]:
-    import sys
-
-    module = sys.modules.get(cls.__module__)
     found: dict[str, Callable] = {}
     for klass in cls.__mro__:
         if klass is torch.nn.Module or klass is object:
             continue
-        owner = sys.modules.get(klass.__module__)
         for attr in vars(klass).values():
             fn = inspect.unwrap(attr) if callable(attr) else attr
-            code = getattr(fn, "__code__", None)
+            code, owner = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
             if code is None or owner is None:
                 continue
-            for name in code.co_names:
-                g = vars(owner).get(name)
+            for name in code.co_names:  # the globals the method's code looks up by name
+                g = owner.get(name)
                 if callable(g) and _closure(g) is not None:
                     found.setdefault(name, g)
-    del module
     return tuple(sorted(found.items()))
 
 

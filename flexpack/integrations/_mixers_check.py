@@ -1,0 +1,339 @@
+"""Which token mixers of a transformers model flexpack keeps exact on packed rows; refuse the rest.
+
+flexpack's attention function makes attention layers see one document at a time. A model can
+also mix tokens elsewhere: recurrent or convolutional layers (gated delta rule, Mamba scans,
+short convs) whose state runs across the whole row, or attention features the document mask
+alone does not cover. :func:`check` finds those from the model's modules (the kind of each token
+mixer, never the ``model_type``) and raises a ``ValueError`` naming the module and what is
+missing, unless a registered kind says flexpack makes it exact. It runs at the model's first
+forward under ``attn_implementation="flexpack"`` (see
+:func:`flexpack.integrations.transformers.flexpack_attention_forward`) and can be called directly:
+
+    >>> import torch
+    >>> from flexpack.integrations import _mixers_check
+    >>> class Mamba2Mixer(torch.nn.Module):  # a state-space layer: its state crosses documents
+    ...     pass
+    >>> _mixers_check.mixers_of(torch.nn.Sequential(Mamba2Mixer()))
+    [('0', 'mamba')]
+
+A module that makes a kind exact registers it with :func:`register_kind` (``exact=True``); the
+first matching kind wins, and kinds registered later are tried first, so a precise exact kind
+overrides the broad refused one it refines.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["MixerKind", "check", "kinds", "mixers_of", "register_kind", "unsupported"]
+
+
+@dataclass(frozen=True)
+class MixerKind:
+    """One kind of token mixer (or attention feature) and whether flexpack keeps it exact.
+
+    Attributes:
+        name: short name used in errors and in docs/supported_models.md ("mamba", "sinks").
+        matches: ``matches(module) -> bool`` on one module of the model.
+        exact: True when packed rows give every document what it gets alone.
+        why: for a refused kind, what is missing (the error says it); for an exact kind, how
+            flexpack makes it exact (the docs say it).
+    """
+
+    name: str
+    matches: Callable[[torch.nn.Module], bool]
+    exact: bool
+    why: str
+
+
+_KINDS: list[MixerKind] = []  # tried in order; register_kind puts new kinds first
+
+
+def register_kind(
+    name: str, matches: Callable[[torch.nn.Module], bool], *, exact: bool, why: str
+) -> MixerKind:
+    """Add (or replace, by name) a kind of token mixer; later registrations are tried first.
+
+    Args:
+        name: the kind's name; a kind of the same name is replaced.
+        matches: predicate on one module.
+        exact: whether flexpack makes this kind exact on packed rows.
+        why: what is missing (refused) or how it is exact.
+
+    Returns:
+        The registered :class:`MixerKind`.
+
+    Example:
+        >>> from flexpack.integrations._mixers_check import register_kind, kinds
+        >>> _ = register_kind("toy", lambda m: type(m).__name__ == "Toy", exact=False,
+        ...                   why="its state crosses documents")
+        >>> kinds()[0].name
+        'toy'
+        >>> _KINDS.pop(0).name  # (tidy up the doctest)
+        'toy'
+    """
+    kind = MixerKind(name, matches, exact, why)
+    _KINDS[:] = [kind] + [k for k in _KINDS if k.name != name]
+    _checked.clear()
+    return kind
+
+
+def kinds() -> list[MixerKind]:
+    """The registered kinds, in the order they are tried."""
+    return list(_KINDS)
+
+
+def _name(m: torch.nn.Module) -> str:
+    return type(m).__name__
+
+
+def _container(m: torch.nn.Module) -> bool:
+    # whole models and decoder layers hold mixers; the mixer module itself is what is named
+    name = _name(m)
+    return (hasattr(m, "config") and hasattr(m, "base_model_prefix")) or name.endswith(
+        ("DecoderLayer", "Layer", "Block", "Model", "ForCausalLM", "ForConditionalGeneration")
+    )
+
+
+def _name_has(*parts: str) -> Callable[[torch.nn.Module], bool]:
+    lowered = tuple(p.lower() for p in parts)
+    return lambda m: not _container(m) and any(p in _name(m).lower() for p in lowered)
+
+
+def _depthwise_causal_conv(m: torch.nn.Module) -> bool:
+    """A Conv1d over the sequence with one filter per channel, padded on the left (a causal
+    conv of a recurrent or short-conv mixer)."""
+    if not isinstance(m, torch.nn.Conv1d):
+        return False
+    k = m.kernel_size[0]
+    return k > 1 and m.groups == m.in_channels and m.padding[0] == k - 1
+
+
+def _has_param(name: str) -> Callable[[torch.nn.Module], bool]:
+    return lambda m: isinstance(m._parameters.get(name), torch.nn.Parameter)
+
+
+def _v_head_dim_differs(m: torch.nn.Module) -> bool:
+    v, qk = getattr(m, "v_head_dim", None), getattr(m, "qk_head_dim", None)
+    return isinstance(v, int) and isinstance(qk, int) and v != qk
+
+
+def _layer_kind(m: torch.nn.Module) -> str | None:
+    config, idx = getattr(m, "config", None), getattr(m, "layer_idx", None)
+    types = getattr(config, "layer_types", None)
+    if isinstance(idx, int) and isinstance(types, (list, tuple)) and idx < len(types):
+        return types[idx]
+    return getattr(m, "layer_type", None)
+
+
+def _chunked_attention(m: torch.nn.Module) -> bool:
+    chunk = getattr(getattr(m, "config", None), "attention_chunk_size", None)
+    return chunk is not None and _layer_kind(m) == "chunked_attention"
+
+
+def _ssm(m: torch.nn.Module) -> bool:
+    # a selective scan: its decay A_log beside a causal conv1d (Mamba, Mamba2 and their kin)
+    return _has_param("A_log")(m) and isinstance(getattr(m, "conv1d", None), torch.nn.Conv1d)
+
+
+@functools.cache
+def _computes_own_attention(cls: type) -> bool:
+    """Whether ``cls.forward`` writes its softmax attention out instead of calling transformers'
+    AttentionInterface (transformers' own test for ``set_attn_implementation``, per class)."""
+    if "forward" not in cls.__dict__:
+        return False
+    try:
+        source = inspect.getsource(cls)  # the class: its forward may call a helper (`_attn`)
+    except (OSError, TypeError):
+        return False
+    return "softmax" in source and not any(
+        s in source
+        for s in ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "_attention_forward")
+    )
+
+
+def _own_attention(m: torch.nn.Module) -> bool:
+    # transformers' own verdict first: a model class it cannot switch to another attention
+    can_set = getattr(type(m), "_can_set_attn_implementation", None)
+    if callable(can_set) and hasattr(m, "config") and not can_set():
+        return True
+    return (
+        "attention" in _name(m).lower() and not _container(m) and _computes_own_attention(type(m))
+    )
+
+
+def _recurrent_fallback(m: torch.nn.Module) -> bool:
+    # State-space and linear-recurrence parameters (Mamba's A_log, RG-LRU's recurrent gate)
+    return any(
+        isinstance(m._parameters.get(p), torch.nn.Parameter)
+        for p in ("A_log", "recurrent_param", "time_decay")
+    )
+
+
+# Broad kinds first in this list (the loop below registers them in reverse, so the most specific
+# ends up first): each refused until a module of flexpack's makes it exact.
+for _kind in reversed(
+    [
+        MixerKind("gated_delta_rule", _name_has("GatedDeltaNet", "GatedDeltaRule"), False,
+                  "the gated delta rule's recurrent state and its causal conv run across "
+                  "document boundaries"),
+        MixerKind("kda", _name_has("DeltaAttention"), False,
+                  "Kimi delta attention's recurrent state and conv run across document "
+                  "boundaries"),
+        MixerKind("lightning_attention", _name_has("LightningAttention"), False,
+                  "lightning attention's recurrent state runs across document boundaries"),
+        MixerKind("mamba", lambda m: _name_has("Mamba")(m) or _ssm(m), False,
+                  "the Mamba scan's state and its causal conv run across document boundaries"),
+        MixerKind("short_conv", _name_has("ShortConv"), False,
+                  "the short convolution's window runs across document boundaries"),
+        MixerKind("linear_recurrence",
+                  lambda m: _recurrent_fallback(m)
+                  or _name_has("RecurrentBlock", "Rglru", "Rwkv", "xLSTM")(m),
+                  False, "a recurrent state runs across document boundaries"),
+        MixerKind("causal_conv", _depthwise_causal_conv, False,
+                  "a causal convolution's window runs across document boundaries"),
+        MixerKind("sparse_indexer", _name_has("Indexer"), False,
+                  "a lightning indexer picks each query's keys by its own scores over the row "
+                  "(DeepSeek sparse attention), from a mask flexpack does not build"),
+        MixerKind("kv_compressor", _name_has("Compressor"), False,
+                  "a compressor pools keys over blocks of the row, across document boundaries"),
+        MixerKind("own_attention", _own_attention, False,
+                  "its attention is written out in the model's code instead of going through "
+                  "transformers' AttentionInterface, so flexpack's attention never runs"),
+        MixerKind("attention_sinks", _has_param("sinks"), True,
+                  "the sink logit (`s_aux`) joins each softmax: o * sigmoid(lse - sink) on "
+                  "flex, a sink column on the dense paths (flexpack._attention_sinks)"),
+        MixerKind("mla_head_dims", _v_head_dim_differs, True,
+                  "values zero-padded to the q/k head dim (or q, k to v's), the output cut back"),
+        MixerKind("chunked_attention", _chunked_attention, True,
+                  "each (document, chunk) piece is a document of its own, chunks counted from "
+                  "the document's start"),
+    ]
+):  # fmt: skip
+    _KINDS.insert(0, _kind)
+
+
+def _towers(model: torch.nn.Module) -> set[int]:
+    """ids of the modules inside a vision or audio tower (their own sequences, not the rows)."""
+    skip: set[int] = set()
+    for path, m in model.named_modules():
+        key = getattr(getattr(m, "config", None), "base_config_key", None)
+        tower = key in ("vision_config", "audio_config") or any(
+            part in ("vision_tower", "visual", "audio_tower", "audio", "vision_model")
+            or part.startswith(("audio_", "vision_", "image_"))
+            for part in path.split(".")
+        )
+        if tower and id(m) not in skip:
+            skip.update(id(s) for s in m.modules())
+    return skip
+
+
+def mixers_of(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(module path, kind name) of every module that matches a registered kind.
+
+    A matched module's own submodules are not classified again (a Mamba mixer's conv is part of
+    the mixer). Modules in vision and audio towers are left out.
+
+    Args:
+        model: any ``torch.nn.Module`` (a transformers model).
+
+    Returns:
+        The matches in module order.
+    """
+    towers = _towers(model)
+    found: list[tuple[str, str]] = []
+    inside: list[str] = []
+    for path, m in model.named_modules():
+        if id(m) in towers or any(path.startswith(p + ".") for p in inside):
+            continue
+        for kind in _KINDS:
+            if kind.matches(m):
+                found.append((path, kind.name))
+                # features of attention (sinks, MLA, chunks) do not hide the module's children
+                if kind.name not in ("attention_sinks", "mla_head_dims", "chunked_attention"):
+                    inside.append(path)
+                break
+    return found
+
+
+def unsupported(model: torch.nn.Module) -> list[str]:
+    """One sentence per kind of token mixer that flexpack cannot make exact in ``model``."""
+    by_name = {k.name: k for k in _KINDS}
+    paths: dict[str, list[str]] = {}
+    for path, name in mixers_of(model):
+        if not by_name[name].exact:
+            paths.setdefault(name, []).append(path)
+    out = []
+    for name, where in paths.items():
+        more = f" and {len(where) - 1} more" if len(where) > 1 else ""
+        cls = type(model.get_submodule(where[0])).__name__
+        out.append(f"{name} ({cls} at `{where[0]}`{more}): {by_name[name].why}")
+    return out
+
+
+_checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def check(model: torch.nn.Module) -> None:
+    """Raise a ValueError naming every token mixer of ``model`` flexpack cannot make exact.
+
+    The answer is kept per model (a model's modules do not change kind between forwards).
+
+    Raises:
+        ValueError: the model has a refused kind of token mixer; the message names the kind,
+            the module class and path, and what to do instead.
+    """
+    problems = _checked.get(model)
+    if problems is None:
+        problems = _checked[model] = unsupported(model)
+    if problems:
+        raise ValueError(
+            f"flexpack cannot keep {type(model).__name__} exact on packed rows (each document "
+            "would see the others): " + "; ".join(problems) + ". Run this model unpacked (one "
+            "sample per row, padded) with attn_implementation='sdpa', or see "
+            "docs/supported_models.md for the families flexpack supports."
+        )
+
+
+_seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> ref(model)
+
+
+def check_call(module: torch.nn.Module | None) -> None:
+    """:func:`check` the model an attention (or mask) call comes from.
+
+    transformers hands the attention function its attention module, not the model; the model
+    is the outermost ``torch.nn.Module`` with a ``config`` on the call stack (the one the user
+    called), found once per attention module (mask calls, one or two per forward, look it up
+    each time). Under ``torch.compile`` nothing is looked up (the eager first forward, or
+    :func:`check` called directly, does it).
+    """
+    if torch.compiler.is_compiling():
+        return
+    ref = None if module is None else _seen.get(module)
+    model = None if ref is None else ref()
+    if model is None:
+        model = _outermost_model(module)
+        if model is None:
+            return
+        if module is not None:  # a weak reference: the module lives inside the model
+            _seen[module] = weakref.ref(model)
+    check(model)
+
+
+def _outermost_model(module: torch.nn.Module | None) -> torch.nn.Module | None:
+    import sys
+
+    found = module
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and hasattr(owner, "config"):
+            found = owner
+        frame = frame.f_back
+    return found
