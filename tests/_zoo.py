@@ -229,7 +229,7 @@ def _first_line(e: BaseException) -> str:
 
 # Image-text models whose language model flexpack packs (flexpack.integrations.multimodal):
 # run here on text rows through their ForConditionalGeneration class.
-IMAGE_TEXT = ("gemma3", "qwen2_vl", "qwen2_5_vl")
+IMAGE_TEXT = ("gemma3", "paligemma", "qwen2_vl", "qwen2_5_vl")
 
 
 def _auto_class(model_type: str):

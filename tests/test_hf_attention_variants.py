@@ -191,3 +191,54 @@ def test_chunks_count_from_each_document_start():
     assert _chunk_ids(ids, 2).tolist()[0][:3] == [0, 0, 1]
     pieces = _chunk_ids(ids, 2)[0].tolist()
     assert pieces[3] == pieces[4] != pieces[5] == pieces[6] != pieces[7] and pieces[8] == -1
+
+
+def _token_types(batch):
+    tt = torch.zeros_like(batch.input_ids)
+    for a, _ in _zoo._spans(batch.doc_ids[0]):
+        tt[0, a + 2 : a + 7] = 1  # an image block (Gemma 3) / prefix tokens (PaliGemma)
+    return tt
+
+
+@pytest.mark.parametrize("model_type", ["gemma3", "paligemma"])
+def test_token_type_rules_compose_with_the_documents(model_type):
+    """transformers' own token-type rule (Gemma 3 image blocks attend both ways, PaliGemma's
+    prefix is bidirectional) & the document mask, in a plain call with grad."""
+    model, reference = _zoo.build(model_type)
+    batch = flexpack.pack_sequences(_zoo.samples(128), _zoo.MAX_LEN)
+    tt = _token_types(batch)
+    logits = model(**packed_forward_kwargs(batch), token_type_ids=tt).logits[0]
+    w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4))
+    loss, want = (logits * w).sum() * 0, 0.0
+    for a, b in _zoo._spans(batch.doc_ids[0]):
+        alone = reference(input_ids=batch.input_ids[:, a:b], token_type_ids=tt[:, a:b],
+                          use_cache=False).logits[0]  # fmt: skip
+        causal = reference(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
+        assert (alone - causal).abs().max() > 1e-2  # the rule matters here
+        torch.testing.assert_close(logits[a:b], alone, atol=1e-4, rtol=0)
+        loss = loss + (logits[a:b] * w[a:b]).sum()
+        want = want + (alone * w[a:b]).sum()
+    loss.backward()
+    want.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if p.grad is not None or q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_token_type_rule_in_generate_prefill():
+    """generate() with token_type_ids: the prefill composes the rule, decoding uses the cache."""
+    model, reference = _zoo.build("gemma3")
+    for m in (model, reference):
+        m.generation_config.pad_token_id = 0
+        m.generation_config.eos_token_id = None
+    ids = torch.randint(3, 100, (1, 10), generator=torch.Generator().manual_seed(5))
+    tt = torch.zeros_like(ids)
+    tt[0, 2:6] = 1
+    kw = dict(token_type_ids=tt, max_new_tokens=5, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        got = model.generate(ids, **kw)
+        want = reference.generate(ids, **kw)
+    assert torch.equal(got.sequences, want.sequences)
+    for a, b in zip(got.logits, want.logits, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -143,6 +143,19 @@ def _pass_padding_mask(
     _mixers_check.check_call(None)  # models whose attention never calls flexpack's are refused here
     whole_rows = q_length is None or (q_length == kv_length and not q_offset and not kv_offset)
     if whole_rows:
+        rule = kwargs.get("mask_function")
+        if rule is not None and _has_overlay(rule):
+            # transformers' own rule lets some tokens see later ones (Gemma 3's image blocks,
+            # PaliGemma's prefix, bidirectional configs): the attention composes it with the
+            # documents instead of re-deriving it. The rule rides on a (B, S) padding mask of
+            # our own (a plain tensor to transformers, which may hand it on to an inner model).
+            B, device = kwargs.get("batch_size"), kwargs.get("device")
+            if attention_mask is None:
+                pad = torch.ones(B, kv_length, dtype=torch.bool, device=device)
+            else:
+                pad = attention_mask.to(dtype=torch.bool, copy=True)
+            pad._flexpack_rule = rule  # type: ignore[attr-defined]
+            return pad
         return attention_mask
     from transformers.masking_utils import sdpa_mask
 
@@ -156,6 +169,72 @@ def _pass_padding_mask(
         allow_is_causal_skip=False,  # always a tensor: the forward tells caches by its 4 dims
         **kwargs,
     )
+
+
+def _has_overlay(fn: Any, depth: int = 0) -> bool:
+    """Whether transformers' mask function has an ``or_masks`` overlay (anything that lets a
+    query see beyond causal/sliding/chunked: image blocks, a bidirectional prefix)."""
+    if depth > 6 or not callable(fn):
+        return False
+    if "or_masks" in getattr(fn, "__qualname__", ""):
+        return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        items = inner if isinstance(inner, (tuple, list)) else (inner,)
+        if any(_has_overlay(x, depth + 1) for x in items):
+            return True
+    return False
+
+
+def _rule_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    doc_ids: Tensor,
+    rule: Any,
+    *,
+    scale: float | None,
+    softcap: float | None,
+    sinks: Tensor | None,
+) -> Tensor:
+    """transformers' mask rule & the documents, one SDPA call per document.
+
+    The rule is evaluated on row indices (as transformers does for the row) and cut to each
+    document's block, so a document costs its own L x L mask, never the row's S x S.
+
+    Returns:
+        (B, Hq, S, D); padding queries give 0.
+    """
+    from flexpack._attention_sdpa import dense_mask_from_mod, dense_sdpa
+
+    B, Hq, S, _ = query.shape
+    allowed = dense_mask_from_mod(rule, B, 1, S, query.device)  # (B, 1, S, S) bool
+    out = query.new_zeros(query.shape)
+    gqa = key.shape[1] != Hq
+    rows = doc_ids.expand(B, S).tolist()  # one host read per layer call (CPU path)
+    for b, row in enumerate(rows):
+        start = 0
+        for i in range(1, S + 1):
+            if i < S and row[i] == row[start]:
+                continue
+            if row[start] >= 0:
+                sl = slice(start, i)
+                q, k, v = query[b : b + 1, :, sl], key[b : b + 1, :, sl], value[b : b + 1, :, sl]
+                block = allowed[b : b + 1, :, sl, sl]
+                if sinks is not None:
+                    from flexpack._attention_sinks import dense_sink_attention
+
+                    piece = dense_sink_attention(q, k, v, block, sinks, scale=scale,
+                                                 softcap=softcap)  # fmt: skip
+                else:
+                    piece = dense_sdpa(q, k, v, block, scale=scale, enable_gqa=gqa,
+                                       softcap=softcap)  # fmt: skip
+                out = out.index_copy(2, torch.arange(start, i, device=out.device), piece)
+            start = i
+    return out
 
 
 def packed_forward_kwargs(batch: Any, *, labels: bool = False) -> dict[str, Any]:
@@ -380,6 +459,7 @@ def flexpack_attention_forward(
                 f"flexpack attention does not support `{unsupported}` (this model passes it); "
                 "use attn_implementation='flex_attention' or 'eager' for this model."
             )
+    rule = getattr(attention_mask, "_flexpack_rule", None)  # see _pass_padding_mask
     _refuse_attention_bias(module, attention_mask, key.shape[2] == S)
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
@@ -424,6 +504,12 @@ def flexpack_attention_forward(
         mask = multimodal._image_span_mask(
             query.device, B, S, attention_mask, kwargs, bool(is_causal)
         )
+    if mask is None and rule is not None:
+        ids = _doc_ids(B, S, attention_mask, kwargs.get("doc_ids"), kwargs.get("seq_idx"),
+                       kwargs.get("position_ids")).to(query.device)  # fmt: skip
+        out = _rule_attention(query, key, value, ids, rule, scale=scaling, softcap=softcap,
+                              sinks=kwargs.get("s_aux"))  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
     if mask is None:
         chunk = _attention_chunk(module)
         mask = _mask_for(
