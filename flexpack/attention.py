@@ -367,7 +367,7 @@ def _kv_for_causal_sdpa(
 
 
 # BlockMasks built for flexpack Masks on the flex path, reused by every layer of a forward:
-# (id of the mask_mod, B, S, block size, device) -> (mask_mod, tensor versions, BlockMask). The
+# (id of the mask_mod, B, S, block size, device) -> (mask_mod, tensor stamps, BlockMask). The
 # BlockMask holds its mask_mod, so an id is never reused while its entry lives.
 _BLOCK_MASKS: dict[tuple, tuple[Any, tuple, BlockMask]] = {}
 _MAX_BLOCK_MASKS = 8
@@ -440,7 +440,7 @@ def flex_row_length(S: int) -> int:
 
 
 # Padded copies of flexpack Masks for the flex path's bucket lengths, as _BLOCK_MASKS:
-# (id of the mask_mod, S_flex) -> (mask_mod, tensor versions, padded Mask).
+# (id of the mask_mod, S_flex) -> (mask_mod, tensor stamps, padded Mask).
 _PADDED: dict[tuple, tuple[Any, tuple, Any]] = {}
 on_clear(_PADDED.clear)
 
