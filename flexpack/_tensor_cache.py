@@ -48,8 +48,13 @@ def version(t: Tensor) -> int | None:
 
 
 def _layout(t: Tensor) -> tuple:
-    # data_ptr changes with `t.data = other`; a tensor subclass without storage reports 0.
-    return (t.data_ptr(), t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
+    # data_ptr changes with `t.data = other`; a tensor subclass without storage reports 0, and a
+    # traced (fake) tensor has none to report
+    try:
+        ptr = t.data_ptr()
+    except RuntimeError:
+        ptr = None
+    return (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
 
 
 def _content(t: Tensor) -> Tensor | None:

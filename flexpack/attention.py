@@ -374,7 +374,7 @@ def _kv_for_causal_sdpa(
 
 
 # BlockMasks built for flexpack Masks on the flex path, reused by every layer of a forward:
-# (id of the mask_mod, B, S, block size, device) -> (mask_mod, tensor versions, BlockMask). The
+# (id of the mask_mod, B, S, block size, device) -> (mask_mod, tensor stamps, BlockMask). The
 # BlockMask holds its mask_mod, so an id is never reused while its entry lives.
 _BLOCK_MASKS: dict[tuple, tuple[Any, tuple, BlockMask]] = {}
 _MAX_BLOCK_MASKS = 8

@@ -349,3 +349,23 @@ def test_stamps_of_cuda_tensors_make_no_host_sync(fake_cuda):
         ids.add_(1)  # an in-place op bumps the version: seen without a sync
         assert cache.get(ids, lambda: object()) is not first
     assert syncs == []  # (`.data = other` is seen by data_ptr, which the fake reports as 0)
+
+
+def test_packed_forward_kwargs_given_a_model_warns_without_flexpack_attention():
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    from flexpack.integrations.transformers import packed_forward_kwargs
+
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa",
+    )  # fmt: skip
+    sdpa = transformers.LlamaForCausalLM(config)
+    with pytest.warns(UserWarning, match="packed_forward_kwargs: .*'sdpa'.*attend to each other"):
+        packed_forward_kwargs(batch, model=sdpa)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed_forward_kwargs(batch, model=_tiny_llama())
+        packed_forward_kwargs(batch)  # no model: nothing to check

@@ -237,7 +237,7 @@ def _rule_attention(
     return out
 
 
-def packed_forward_kwargs(batch: Any, *, labels: bool = False) -> dict[str, Any]:
+def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None) -> dict[str, Any]:
     """Keyword arguments for a transformers model call on a flexpack ``PackedBatch``.
 
     Args:
@@ -245,6 +245,10 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False) -> dict[str, Any]
             each (R, S)).
         labels: also pass ``batch.labels`` (HF-style unshifted, -100 on padding and on the first
             token of every document), so the model's own loss is the mean over supervised tokens.
+        model: optionally, the model the kwargs are for: a ``UserWarning`` if its attention is
+            not flexpack's (any other ``attn_implementation`` ignores ``doc_ids``, and the
+            documents of a row attend to each other). Load it with
+            ``attn_implementation=register()``.
 
     Returns:
         ``{"input_ids": (R, S) int64, "position_ids": (R, S) int64, "doc_ids": (R, S) int32,
@@ -261,6 +265,8 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False) -> dict[str, Any]
         >>> sorted(packed_forward_kwargs(b))
         ['doc_ids', 'input_ids', 'position_ids', 'use_cache']
     """
+    if model is not None:
+        multimodal.warn_without_flexpack_attention(model, "packed_forward_kwargs")
     names = ["input_ids", "position_ids", "doc_ids"] + (["labels"] if labels else [])
     missing = [n for n in names if not isinstance(getattr(batch, n, None), Tensor)]
     if missing:
