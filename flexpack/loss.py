@@ -366,12 +366,12 @@ def packed_linear_cross_entropy(
     flat = hidden.reshape(B * S, C)
     index = supervised.nonzero()  # (P, 2): row, position (one host sync, as the label check)
     rows = index[:, 0] * S + index[:, 1]  # (P,) into the (B * S) tokens
-    y = target[supervised]  # (P,)
+    y = target[index[:, 0], index[:, 1]]  # (P,); a gather, where a boolean mask would sync
     P = rows.shape[0]
     if reduction == "token":
         token_weight = torch.full((P,), 1.0 / max(P, 1), dtype=acc, device=hidden.device)
     else:
-        token_weight = _document_weights(index, doc_ids[:, 1:][supervised], acc)
+        token_weight = _document_weights(index, doc_ids[index[:, 0], index[:, 1] + 1], acc)
     chunk = default_chunk_size(P, C, V) if chunk_size is None else int(chunk_size)
     with torch.autocast(device_type, enabled=False):
         if _torch_fused(hidden.device, compute, softcap):
@@ -400,7 +400,8 @@ def _document_weights(index: Tensor, doc_t: Tensor, dtype: torch.dtype) -> Tenso
         return torch.empty(0, dtype=dtype, device=index.device)
     keys = torch.stack([index[:, 0], doc_t.long()], dim=1)  # a document is a (row, id) pair
     docs, doc_index = torch.unique(keys, dim=0, return_inverse=True)  # (n_docs, 2), (P,)
-    counts = torch.bincount(doc_index, minlength=docs.shape[0]).to(dtype)  # (n_docs,)
+    ones = torch.ones(doc_index.shape, dtype=dtype, device=doc_index.device)
+    counts = ones.new_zeros(docs.shape[0]).index_add_(0, doc_index, ones)  # (n_docs,), no sync
     return 1.0 / (counts[doc_index] * docs.shape[0])
 
 

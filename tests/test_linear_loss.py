@@ -283,3 +283,27 @@ def test_exported_from_flexpack_and_flexpack_loss():
     assert flexpack.packed_linear_cross_entropy is flexpack.loss.packed_linear_cross_entropy
     assert "packed_linear_cross_entropy" in flexpack.__all__
     assert "packed_linear_cross_entropy" in flexpack.loss.__all__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_on_cuda_one_device_and_few_host_syncs(fake_cuda, dtype):
+    # On (faked) CUDA: float32 goes through torch's F.linear_cross_entropy where it exists,
+    # bf16 through the chunks; no CPU tensor meets a CUDA one, the syncs are the label check,
+    # the supervised tokens' count and (for "document") the documents' count, none per chunk.
+    from fake_cuda import to_cpu, to_fake_cuda
+
+    batch = packed_rows([5, 1, 9, 3, 7, 2, 12, 4], max_len=16, seed=14)
+    hidden, weight, b = leaves(*batch.labels.shape, dtype=dtype, seed=15)
+    want = logits_path(hidden, weight, b, batch.labels, batch.doc_ids, reduction="document",
+                       softcap=None)  # fmt: skip
+    cuda = [to_fake_cuda(t.detach()).requires_grad_() for t in (hidden, weight, b)]
+    labels, doc_ids = to_fake_cuda(batch.labels), to_fake_cuda(batch.doc_ids)
+    with fake_cuda.count() as syncs:
+        got = packed_linear_cross_entropy(
+            cuda[0], cuda[1], labels, doc_ids, bias=cuda[2], reduction="document", chunk_size=4
+        )
+        got.backward()
+    assert got.device.type == "cuda" and cuda[1].grad.device.type == "cuda"
+    assert len(syncs) <= 3, syncs
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    torch.testing.assert_close(to_cpu(got), want.detach(), **tol)
