@@ -166,7 +166,7 @@ def test_boundaries_reach_the_kernels_varlen_arguments(kind, fake_cuda):
         for b, a, e in _spans(doc_ids):
             alone = plain(x[b : b + 1, a:e], attention_mask=None)
             alone = alone[0] if isinstance(alone, tuple) else alone
-            torch.testing.assert_close(out[b, a:e], alone[0], rtol=0, atol=1e-5)
+            torch.testing.assert_close(out[b, a:e], alone[0], rtol=0, atol=1e-4)  # fp32
 
 
 def test_cpu_tensors_take_the_split_path_even_with_kernels():

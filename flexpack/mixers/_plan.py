@@ -22,10 +22,10 @@ from torch import Tensor
 
 __all__ = ["DocumentPlan"]
 
-# A group's rows are padded to its longest document; a document joins the current group while
-# it is at least this fraction of the group's longest (padding stays under 1 / RATIO - 1 of a
-# group's tokens, and rows of similar lengths share one call).
-RATIO = 0.75
+# A group's rows are padded to its longest document; documents (longest first) join the current
+# group while its padded tokens stay within PAD_FACTOR times its real ones. Few groups matter:
+# each is one call of the mixer, and the chunked torch scans loop over a group's chunks in Python.
+PAD_FACTOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ class DocumentPlan:
             >>> p = DocumentPlan.from_doc_ids(torch.tensor([[0, 0, 0, 1, 1, -1]]))
             >>> p.documents, p.cu_seqlens.tolist(), p.seq_idx.tolist()
             (2, [0, 3, 5, 6], [[0, 0, 0, 1, 1, 2]])
-            >>> [g[0].tolist() for g in p.groups]
-            [[[0, 1, 2]], [[3, 4]]]
+            >>> [g[0].tolist() for g in p.groups]  # one group: (2 documents, 3 tokens)
+            [[[0, 1, 2], [3, 4, 3]]]
         """
         if doc_ids.dim() != 2:
             raise ValueError(f"doc_ids must be (B, S), got shape {tuple(doc_ids.shape)}.")
@@ -93,9 +93,12 @@ class DocumentPlan:
             docs.sort(key=lambda d: -d[1])
             i = 0
             while i < len(docs):
-                longest = docs[i][1]
+                longest = real_tokens = docs[i][1]
                 j = i + 1
-                while j < len(docs) and docs[j][1] >= RATIO * longest:
+                while j < len(docs) and (j - i + 1) * longest <= PAD_FACTOR * (
+                    real_tokens + docs[j][1]
+                ):
+                    real_tokens += docs[j][1]
                     j += 1
                 chunk = docs[i:j]
                 offsets = torch.arange(longest)
