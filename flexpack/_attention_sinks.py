@@ -68,9 +68,12 @@ def dense_sink_attention(
 
 
 @functools.cache
-def _compiled_flex():
+def _flex(device_type: str):
+    """Compiled flex on CUDA; eager flex elsewhere (CPU inductor's flex returns no LSE)."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    if device_type != "cuda":
+        return flex_attention
     return torch.compile(flex_attention, fullgraph=True, dynamic=False)
 
 
@@ -94,8 +97,9 @@ def sink_attention(
             BlockMask built from one.
         sinks: (Hq,) sink logits (gpt-oss's ``self.sinks``, passed as ``s_aux``).
         scale, enable_gqa, softcap: as in :func:`flexpack.attention`.
-        backend: "flex" (and "auto" on CUDA) runs compiled flex with its LSE (on CPU: without
-            grad); otherwise the dense twin of the mask with the sink column.
+        backend: "flex" (and "auto" on CUDA) runs flex with its LSE (compiled on CUDA, eager
+            elsewhere: CPU inductor's flex returns no LSE); otherwise the dense twin of the
+            mask with the sink column.
 
     Returns:
         (B, Hq, S, D).
@@ -121,7 +125,7 @@ def sink_attention(
         if block_mask is None:
             block_mask = mask.block_mask()
         score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
-        out, aux = _compiled_flex()(
+        out, aux = _flex(q.device.type)(
             q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
             enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True),
         )  # fmt: skip

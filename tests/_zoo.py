@@ -328,6 +328,35 @@ def _spans(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
     return out
 
 
+SEAMS = """
+## Which transformers seam each family uses, and what an upgrade could break
+
+- **Attention layers** (every family marked exact): `AttentionInterface.register("flexpack", ...)`;
+  transformers calls `flexpack_attention_forward(module, q, k, v, attention_mask, **kwargs)` per
+  layer. Read from the call: `doc_ids` / `seq_idx` / `position_ids` (the model must pass its
+  `**kwargs` down to attention), `sliding_window`, `softcap`, `s_aux` (sinks, gpt-oss family),
+  `is_causal`; from the module: `config.layer_types[layer_idx]` and
+  `config.attention_chunk_size` (chunked layers, Llama 4), value width != q/k width (MLA). An
+  upgrade that renames these keywords or attributes, or stops forwarding `**kwargs` to the
+  attention call, turns a family's rows back into plain causal ones: this test catches it.
+- **Masks**: `AttentionMaskInterface.register("flexpack", ...)`: whole rows get the (B, S) padding
+  mask back (flexpack builds its own mask from document ids); with a KV cache, transformers'
+  own `sdpa_mask`; when transformers' mask function carries an `or_masks` overlay (Gemma 3 image
+  blocks, PaliGemma's prefix), that function rides on the padding mask and is composed with
+  the documents. Depends on the `mask_function` keyword and on `or_masks` keeping its name.
+- **Refusals** (`flexpack/integrations/_mixers_check.py`): run at the first forward from the
+  attention or mask function, on the model found on the call stack; token mixers are told by
+  module kind (class-name parts such as `GatedDeltaNet`, `Mamba`, `ShortConv`, `Indexer`,
+  `Compressor`, parameters such as `A_log`, `sinks`, depthwise causal `Conv1d`s) and by
+  transformers' own `_can_set_attn_implementation()`. A renamed mixer class would fall through
+  to the broad kinds (`linear_recurrence`, `causal_conv`) or, if it matches none, show up here
+  as a new leak.
+- **Not reachable**: a model that calls neither the attention nor the mask interface (pure SSMs
+  such as Mamba) never runs flexpack code; those are the known leaks above until their mixers
+  reach transformers' kernel seams (issue 25, mixers).
+"""
+
+
 def table(
     results: dict[str, Result], not_decoder_only: dict[str, str], known: dict[str, str]
 ) -> str:
@@ -367,6 +396,7 @@ def table(
         mixers = ", ".join(r.mixers) or "attention"
         lines.append(f"| `{name}` | {r.status} | {mixers} | {detail} |")
     lines += _mixer_rooms()
+    lines += ["", *SEAMS.strip("\n").splitlines()]
     lines += ["", "Not decoder-only (not run):", ""]
     lines += [f"- `{name}`: {why}" for name, why in sorted(not_decoder_only.items())]
     return "\n".join(lines) + "\n"

@@ -212,10 +212,11 @@ def _rule_attention(
 
     B, Hq, S, _ = query.shape
     allowed = dense_mask_from_mod(rule, B, 1, S, query.device)  # (B, 1, S, S) bool
-    out = query.new_zeros(query.shape)
     gqa = key.shape[1] != Hq
     rows = doc_ids.expand(B, S).tolist()  # one host read per layer call (CPU path)
+    outs = []
     for b, row in enumerate(rows):
+        out = query.new_zeros((1, *query.shape[1:]))  # (1, Hq, S, D): padding stays 0
         start = 0
         for i in range(1, S + 1):
             if i < S and row[i] == row[start]:
@@ -234,7 +235,8 @@ def _rule_attention(
                                        softcap=softcap)  # fmt: skip
                 out = out.index_copy(2, torch.arange(start, i, device=out.device), piece)
             start = i
-    return out
+        outs.append(out)
+    return torch.cat(outs, dim=0)
 
 
 def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None) -> dict[str, Any]:
