@@ -11,10 +11,14 @@ forward under ``attn_implementation="flexpack"`` (see
 
     >>> import torch
     >>> from flexpack.integrations import _mixers_check
-    >>> class Mamba2Mixer(torch.nn.Module):  # a state-space layer: its state crosses documents
+    >>> class ToyScan(torch.nn.Module):  # a recurrent layer: its state crosses documents
     ...     pass
-    >>> _mixers_check.mixers_of(torch.nn.Sequential(Mamba2Mixer()))
-    [('0', 'mamba')]
+    >>> _ = _mixers_check.register_kind("toy_scan", lambda m: isinstance(m, ToyScan),
+    ...                                 exact=False, why="its state crosses documents")
+    >>> _mixers_check.mixers_of(torch.nn.Sequential(ToyScan()))
+    [('0', 'toy_scan')]
+    >>> _mixers_check._KINDS.pop(0).name  # (tidy up the doctest)
+    'toy_scan'
 
 A module that makes a kind exact registers it with :func:`register_kind` (``exact=True``); the
 first matching kind wins, and kinds registered later are tried first, so a precise exact kind

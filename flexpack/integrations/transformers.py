@@ -328,7 +328,7 @@ def packed_causal_lm_loss(
 
     Example:
         >>> import torch, flexpack, transformers                               # doctest: +SKIP
-        >>> model = transformers.LlamaForCausalLM(config)  # attn_implementation=register()
+        >>> model = transformers.LlamaForCausalLM(config)  # doctest: +SKIP
         >>> batch = flexpack.pack_sequences(samples, max_len=4096)             # doctest: +SKIP
         >>> packed_causal_lm_loss(model, batch).backward()                     # doctest: +SKIP
     """

@@ -349,7 +349,7 @@ def test_materialized_rows_agree_with_segments(inp, strategy, overflow, prompt_l
             for s in seqs
         ]
     plan = pack(lengths, max_len, strategy=strategy, overflow=overflow)
-    batch = plan.materialize(seqs, pad_id=-7)
+    batch = plan.materialize(seqs, pad_id=7)
     ids, labels = batch.input_ids.tolist(), batch.labels.tolist()
     docs, pos = batch.doc_ids.tolist(), batch.position_ids.tolist()
     assert batch.layout == plan.layout()
@@ -368,7 +368,7 @@ def test_materialized_rows_agree_with_segments(inp, strategy, overflow, prompt_l
     for r in range(plan.num_rows):
         for c in range(max_len):
             if c >= fill[r]:
-                assert (ids[r][c], labels[r][c], docs[r][c], pos[r][c]) == (-7, -100, -1, 0)
+                assert (ids[r][c], labels[r][c], docs[r][c], pos[r][c]) == (7, -100, -1, 0)
             elif labels[r][c] != -100:
                 # a label is the token itself, predicted from its own document only
                 assert labels[r][c] == ids[r][c]
