@@ -327,8 +327,9 @@ def packed_causal_lm_loss(
             a DDP/FSDP wrapper, or what :func:`flexpack.packed_linear_cross_entropy` rejects.
 
     Example:
-        >>> import torch, flexpack, transformers                               # doctest: +SKIP
-        >>> model = transformers.LlamaForCausalLM(config)  # doctest: +SKIP
+        >>> from flexpack.integrations.transformers import packed_causal_lm_loss
+        >>> import flexpack, transformers                                      # doctest: +SKIP
+        >>> model = transformers.LlamaForCausalLM(config)                      # doctest: +SKIP
         >>> batch = flexpack.pack_sequences(samples, max_len=4096)             # doctest: +SKIP
         >>> packed_causal_lm_loss(model, batch).backward()                     # doctest: +SKIP
     """
