@@ -58,20 +58,17 @@ def _decoder_only() -> tuple[list[str], dict[str, str]]:
 
 MODEL_TYPES, NOT_DECODER_ONLY = _decoder_only()
 
-# Known silent leaks, each waiting for its fix (issue 25). The test fails when one of these is
-# exact or refused (drop it from here) and on any leak not listed (a new silent leak).
+# The families that leak through packed_forward_kwargs(batch) without model= (their forward never
+# reaches flexpack's attention or mask function); with model= they are exact or refused. The test
+# fails when one of them no longer leaks without model= (drop it from here) and on any other
+# family that does (a new silent leak).
 KNOWN_LEAKS: dict[str, str] = {
-    "mamba": "pure SSM: never calls the attention or mask interface; exact after "
-    "flexpack.mixers.adapt(model)",
-    "falcon_mamba": "pure SSM: never calls the attention or mask interface; exact after "
-    "flexpack.mixers.adapt(model)",
-    "mamba2": "pure SSM: never calls the attention or mask interface; exact after "
-    "flexpack.mixers.adapt(model)",
+    "mamba": "pure SSM: never calls the attention or mask interface",
+    "falcon_mamba": "pure SSM: never calls the attention or mask interface",
+    "mamba2": "pure SSM: never calls the attention or mask interface",
     "cpmant": "its own attention code and masks: never calls the attention or mask interface",
     "openai-gpt": "its own attention code and masks: never calls the attention or mask interface",
     "xlm": "its own attention code and masks: never calls the attention or mask interface",
-    "paligemma": "1-indexed positions when none are passed: the packed rows' 0-based "
-    "position_ids differ from what it uses alone (not yet told apart from a leak)",
 }
 
 _results: dict[str, _zoo.Result] = {}
@@ -84,10 +81,13 @@ def test_packed_row_is_exact_or_refused(model_type):
     if result.status == "skipped":
         pytest.skip(result.detail)
     if model_type in KNOWN_LEAKS:
-        assert result.status == "leak", (
-            f"{model_type} is {result.status} now ({result.detail}): drop it from KNOWN_LEAKS"
+        assert result.without_model == "leak", (
+            f"{model_type} is {result.without_model} without model= now: drop it from KNOWN_LEAKS"
         )
-        return
+    else:
+        assert result.without_model == result.status, (
+            f"{model_type}: {result.without_model} without model=, {result.status} with it"
+        )
     assert result.status in ("exact", "refused"), (
         f"{model_type}: {result.status}: {result.detail} (mixers: {result.mixers})"
     )

@@ -22,7 +22,9 @@ forward under ``attn_implementation="flexpack"`` (see
 
 A module that makes a kind exact registers it with :func:`register_kind` (``exact=True``); the
 first matching kind wins, and kinds registered later are tried first, so a precise exact kind
-overrides the broad refused one it refines.
+overrides the broad refused one it refines. An exact kind may share its name with the refused
+one (flexpack.mixers' "mamba" matches adapted Mamba mixers only): both stay registered, so a
+mixer that was never adapted is still refused.
 """
 
 from __future__ import annotations
@@ -62,10 +64,10 @@ _KINDS: list[MixerKind] = []  # tried in order; register_kind puts new kinds fir
 def register_kind(
     name: str, matches: Callable[[torch.nn.Module], bool], *, exact: bool, why: str
 ) -> MixerKind:
-    """Add (or replace, by name) a kind of token mixer; later registrations are tried first.
+    """Add (or replace) a kind of token mixer; later registrations are tried first.
 
     Args:
-        name: the kind's name; a kind of the same name is replaced.
+        name: the kind's name; a kind of the same name and the same ``exact`` is replaced.
         matches: predicate on one module.
         exact: whether flexpack makes this kind exact on packed rows.
         why: what is missing (refused) or how it is exact.
@@ -83,7 +85,7 @@ def register_kind(
         'toy'
     """
     kind = MixerKind(name, matches, exact, why)
-    _KINDS[:] = [kind] + [k for k in _KINDS if k.name != name]
+    _KINDS[:] = [kind] + [k for k in _KINDS if (k.name, k.exact) != (name, exact)]
     _checked.clear()
     return kind
 
@@ -141,6 +143,10 @@ def _chunked_attention(m: torch.nn.Module) -> bool:
     return chunk is not None and _layer_kind(m) == "chunked_attention"
 
 
+def _norm(m: torch.nn.Module) -> bool:
+    return "norm" in _name(m).lower()  # MambaRMSNorm: a layer of the block, not its mixer
+
+
 def _ssm(m: torch.nn.Module) -> bool:
     # a selective scan: its decay A_log beside a causal conv1d (Mamba, Mamba2 and their kin)
     return _has_param("A_log")(m) and isinstance(getattr(m, "conv1d", None), torch.nn.Conv1d)
@@ -192,7 +198,7 @@ for _kind in reversed(
                   "boundaries"),
         MixerKind("lightning_attention", _name_has("LightningAttention"), False,
                   "lightning attention's recurrent state runs across document boundaries"),
-        MixerKind("mamba", lambda m: _name_has("Mamba")(m) or _ssm(m), False,
+        MixerKind("mamba", lambda m: _ssm(m) or (_name_has("Mamba")(m) and not _norm(m)), False,
                   "the Mamba scan's state and its causal conv run across document boundaries"),
         MixerKind("short_conv", _name_has("ShortConv"), False,
                   "the short convolution's window runs across document boundaries"),
@@ -238,6 +244,23 @@ def _towers(model: torch.nn.Module) -> set[int]:
     return skip
 
 
+def _matches(model: torch.nn.Module) -> list[tuple[str, MixerKind]]:
+    towers = _towers(model)
+    found: list[tuple[str, MixerKind]] = []
+    inside: list[str] = []
+    for path, m in model.named_modules():
+        if id(m) in towers or any(path.startswith(p + ".") for p in inside):
+            continue
+        for kind in _KINDS:
+            if kind.matches(m):
+                found.append((path, kind))
+                # features of attention (sinks, MLA, chunks) do not hide the module's children
+                if kind.name not in ("attention_sinks", "mla_head_dims", "chunked_attention"):
+                    inside.append(path)
+                break
+    return found
+
+
 def mixers_of(model: torch.nn.Module) -> list[tuple[str, str]]:
     """(module path, kind name) of every module that matches a registered kind.
 
@@ -250,34 +273,21 @@ def mixers_of(model: torch.nn.Module) -> list[tuple[str, str]]:
     Returns:
         The matches in module order.
     """
-    towers = _towers(model)
-    found: list[tuple[str, str]] = []
-    inside: list[str] = []
-    for path, m in model.named_modules():
-        if id(m) in towers or any(path.startswith(p + ".") for p in inside):
-            continue
-        for kind in _KINDS:
-            if kind.matches(m):
-                found.append((path, kind.name))
-                # features of attention (sinks, MLA, chunks) do not hide the module's children
-                if kind.name not in ("attention_sinks", "mla_head_dims", "chunked_attention"):
-                    inside.append(path)
-                break
-    return found
+    return [(path, kind.name) for path, kind in _matches(model)]
 
 
 def unsupported(model: torch.nn.Module) -> list[str]:
     """One sentence per kind of token mixer that flexpack cannot make exact in ``model``."""
-    by_name = {k.name: k for k in _KINDS}
-    paths: dict[str, list[str]] = {}
-    for path, name in mixers_of(model):
-        if not by_name[name].exact:
-            paths.setdefault(name, []).append(path)
+    paths: dict[MixerKind, list[str]] = {}
+    for path, kind in _matches(model):
+        if not kind.exact:
+            paths.setdefault(kind, []).append(path)
     out = []
-    for name, where in paths.items():
+    for kind, where in paths.items():
         more = f" and {len(where) - 1} more" if len(where) > 1 else ""
         cls = type(model.get_submodule(where[0])).__name__
-        out.append(f"{name} ({cls} at `{where[0]}`{more}): {by_name[name].why}")
+        at = f"`{where[0]}`" if where[0] else "the model's root"
+        out.append(f"{kind.name} ({cls} at {at}{more}): {kind.why}")
     return out
 
 

@@ -11,7 +11,7 @@ packed rows:
     >>> name = register()                                                       # doctest: +SKIP
     >>> model = LlamaForCausalLM(LlamaConfig(..., attn_implementation=name))   # doctest: +SKIP
     >>> batch = flexpack.pack_sequences(samples, max_len=4096)                  # doctest: +SKIP
-    >>> out = model(**packed_forward_kwargs(batch, labels=True))                # doctest: +SKIP
+    >>> out = model(**packed_forward_kwargs(batch, labels=True, model=model))   # doctest: +SKIP
 
 Each layer's attention reads the documents of the row from, in this order: a ``doc_ids`` keyword
 of the model call (flexpack rows; -1 marks padding), a ``seq_idx`` keyword
@@ -156,6 +156,19 @@ def _pass_padding_mask(
                 pad = attention_mask.to(dtype=torch.bool, copy=True)
             pad._flexpack_rule = rule  # type: ignore[attr-defined]
             return pad
+        config = kwargs.get("config")
+        if hasattr(attention_mask, "_flexpack_rule") or hasattr(attention_mask, "_flexpack_causal"):
+            return attention_mask  # an outer model's mask function already said (PaliGemma's)
+        if getattr(config, "use_bidirectional_attention", False) and _calls(rule, "causal"):
+            # a causal mask for layers whose is_causal is False (PaliGemma's Gemma without
+            # token types, Gemma configs with the flag): transformers' mask wins, as on eager
+            B, device = kwargs.get("batch_size"), kwargs.get("device")
+            if attention_mask is None:
+                pad = torch.ones(B, kv_length, dtype=torch.bool, device=device)
+            else:
+                pad = attention_mask.to(dtype=torch.bool, copy=True)
+            pad._flexpack_causal = True  # type: ignore[attr-defined]
+            return pad
         return attention_mask
     from transformers.masking_utils import sdpa_mask
 
@@ -169,6 +182,25 @@ def _pass_padding_mask(
         allow_is_causal_skip=False,  # always a tensor: the forward tells caches by its 4 dims
         **kwargs,
     )
+
+
+def _calls(fn: Any, word: str, depth: int = 0) -> bool:
+    """Whether transformers' mask function is, or wraps, one whose name has ``word`` and not
+    "bidirectional" (``causal_mask_function``, ``sliding_window_causal_mask_function``)."""
+    if depth > 6 or not callable(fn):
+        return False
+    name = getattr(fn, "__qualname__", "")
+    if word in name and "bidirectional" not in name:
+        return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        items = inner if isinstance(inner, (tuple, list)) else (inner,)
+        if any(_calls(x, word, depth + 1) for x in items):
+            return True
+    return False
 
 
 def _has_overlay(fn: Any, depth: int = 0) -> bool:
@@ -247,9 +279,13 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
             each (R, S)).
         labels: also pass ``batch.labels`` (HF-style unshifted, -100 on padding and on the first
             token of every document), so the model's own loss is the mean over supervised tokens.
-        model: optionally, the model the kwargs are for: a ``UserWarning`` if its attention is
-            not flexpack's (any other ``attn_implementation`` ignores ``doc_ids``, and the
-            documents of a row attend to each other). Load it with
+        model: the model the kwargs are for (recommended). With it, flexpack can see models
+            whose forward never reaches its attention or mask function: pure SSMs (Mamba,
+            Mamba2, Falcon-Mamba) get their mixers adapted (:func:`flexpack.mixers.adapt`), models
+            whose attention is their own code (GPT-1, XLM, CPM-Ant) are refused with a
+            ValueError. Without it those few families see the documents of a row run into each
+            other (docs/supported_models.md lists them). A ``UserWarning`` if its attention is not
+            flexpack's (any other ``attn_implementation`` ignores ``doc_ids``). Load it with
             ``attn_implementation=register()``.
 
     Returns:
@@ -258,6 +294,8 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
 
     Raises:
         TypeError: ``batch`` lacks one of the tensors.
+        ValueError: ``model`` has a token mixer flexpack cannot keep exact on packed rows
+            (the message names it).
 
     Example:
         >>> import types, torch
@@ -269,6 +307,7 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
     """
     if model is not None:
         multimodal.warn_without_flexpack_attention(model, "packed_forward_kwargs")
+        _prepare(model)
     names = ["input_ids", "position_ids", "doc_ids"] + (["labels"] if labels else [])
     missing = [n for n in names if not isinstance(getattr(batch, n, None), Tensor)]
     if missing:
@@ -285,6 +324,19 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
     if labels:
         kwargs["labels"] = batch.labels.long()
     return kwargs
+
+
+def _prepare(model: Any) -> None:
+    """What ``packed_forward_kwargs(model=...)`` does to the model before its rows run: adapt
+    its recurrent / conv mixers, refuse what cannot be exact."""
+    from flexpack import mixers
+
+    inner = getattr(model, "module", model)  # DDP / FSDP1 wrappers
+    base = getattr(inner, "get_base_model", None)  # PEFT
+    inner = base() if callable(base) else inner
+    if isinstance(inner, torch.nn.Module):
+        mixers.adapt(inner)
+        _mixers_check.check(inner)
 
 
 def packed_causal_lm_loss(
@@ -473,6 +525,8 @@ def flexpack_attention_forward(
     is_causal = kwargs.get("is_causal")
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
+    if getattr(attention_mask, "_flexpack_causal", False):
+        is_causal = True  # the model built a causal mask (see flexpack's mask function)
     window = kwargs.get("sliding_window")
     config = getattr(module, "config", None)
     if window is not None and not is_causal and getattr(config, "use_bidirectional_attention", 0):

@@ -1,0 +1,91 @@
+"""Families whose forward never reaches flexpack's attention or mask function, and layers whose
+``is_causal`` disagrees with the mask their model builds.
+
+``packed_forward_kwargs(batch, model=model)`` adapts pure SSMs (Mamba) and refuses models whose
+attention is their own code (GPT-1); a config with
+``use_bidirectional_attention=True`` whose model still builds a causal mask (PaliGemma's Gemma,
+Gemma) runs causal, as on eager. References: each document alone under ``eager``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexpack
+
+transformers = pytest.importorskip("transformers")
+
+import _zoo  # noqa: E402
+
+from flexpack import mixers  # noqa: E402
+from flexpack.integrations import _mixers_check  # noqa: E402
+from flexpack.integrations.transformers import packed_forward_kwargs  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+def _worst(model, reference, kwargs, batch) -> float:
+    with torch.no_grad():
+        packed = model(**kwargs).logits[0]
+        return max(
+            (packed[a:b] - reference(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0])
+            .abs()
+            .max()
+            .item()
+            for a, b in _zoo._spans(batch.doc_ids[0])
+        )
+
+
+def _batch(model):
+    return flexpack.pack_sequences(_zoo.samples(model.config.get_text_config().vocab_size), 40)
+
+
+def test_an_unadapted_mamba_is_refused_and_model_kwarg_adapts_it():
+    """The mixers' exact "mamba" kind matches adapted modules only: the refused "mamba" kind of
+    the same name still names a Mamba mixer nobody adapted."""
+    model, reference = _zoo.build("mamba")
+    with pytest.raises(ValueError, match=r"mamba \(MambaMixer at `backbone\.layers\.0\.mixer"):
+        _mixers_check.check(model)
+    batch = _batch(model)
+    assert _worst(model, reference, packed_forward_kwargs(batch), batch) > 1e-2  # never reached
+    assert _worst(model, reference, packed_forward_kwargs(batch, model=model), batch) < 1e-4
+    assert mixers.is_adapted(model.backbone.layers[0].mixer)
+    _mixers_check.check(model)  # adapted: nothing refused
+    mixers.restore(model)
+    with pytest.raises(ValueError, match="mamba"):
+        _mixers_check.check(model)
+
+
+def test_model_kwarg_refuses_a_model_with_its_own_attention():
+    model, _ = _zoo.build("openai-gpt")
+    with pytest.raises(ValueError, match="own_attention"):
+        packed_forward_kwargs(_batch(model), model=model)
+
+
+def test_paligemma_without_token_types_is_causal_as_on_eager():
+    """PaliGemma's text config has use_bidirectional_attention=True (its layers' is_causal is
+    False) but, without token_type_ids, the model builds a causal mask; packed rows follow it."""
+    model, reference = _zoo.build("paligemma")
+    assert model.config.text_config.use_bidirectional_attention
+    batch = _batch(model)
+    assert _worst(model, reference, packed_forward_kwargs(batch), batch) < 1e-4
+
+
+def test_bidirectional_flag_with_a_causal_mask_runs_causal():
+    """Gemma's layers read is_causal = not use_bidirectional_attention, but GemmaModel builds a
+    causal mask all the same; eager follows the mask, and so does flexpack."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    from flexpack.integrations.transformers import register
+
+    config = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  use_bidirectional_attention=True)  # fmt: skip
+    torch.manual_seed(0)
+    reference = GemmaForCausalLM(GemmaConfig(**config, attn_implementation="eager")).eval()
+    model = GemmaForCausalLM(GemmaConfig(**config, attn_implementation=register())).eval()
+    model.load_state_dict(reference.state_dict())
+    assert not model.model.layers[0].self_attn.is_causal
+    batch = _batch(model)
+    assert _worst(model, reference, packed_forward_kwargs(batch), batch) < 1e-4
