@@ -77,9 +77,11 @@ class _Call:
     def __init__(self) -> None:
         self.sources: dict[str, Any] = {}
         self.plan_key: tuple | None = None
-        self.plan: DocumentPlan | None = None
+        self.plans: dict[float, DocumentPlan] = {}  # by the room's pad factor
 
-    def plan_for(self, B: int, S: int, kwargs: dict[str, Any], device) -> DocumentPlan:
+    def plan_for(
+        self, B: int, S: int, kwargs: dict[str, Any], device, pad_factor: float
+    ) -> DocumentPlan:
         from flexpack.integrations.transformers import _doc_ids
 
         own = {k: kwargs.get(k) for k in ("doc_ids", "seq_idx")}
@@ -96,11 +98,14 @@ class _Call:
         tensors = (doc_ids, seq_idx, position_ids, padding)
         key = (B, S, *((id(t), t._version) if isinstance(t, Tensor) else None for t in tensors))
         if key != self.plan_key:
-            ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids)
-            self.plan = DocumentPlan.from_doc_ids(ids.to(device))
+            self.ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
+            self.plans = {}
             self.plan_key = key
             self.keep = tensors  # hold them: their ids stay theirs while the plan is cached
-        return self.plan
+        plan = self.plans.get(pad_factor)
+        if plan is None:
+            plan = self.plans[pad_factor] = DocumentPlan.from_doc_ids(self.ids, pad_factor)
+        return plan
 
 
 class _Adapted:
@@ -290,7 +295,7 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
     B, S = x.shape[:2]
     cache = bound.get(cache_name) if cache_name else None
     if cache is not None:
-        if S == 1 or call.plan_for(B, S, bound, x.device).documents <= B:
+        if S == 1 or call.plan_for(B, S, bound, x.device, room.pad_factor).documents <= B:
             return own(x, **bound)  # decoding, or prompts of one document per row
         warnings.warn(
             f"{type(module).__name__} got packed rows (several documents per row) together with "
@@ -306,7 +311,7 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             "which cannot follow a flexpack_mask (a prefix tree or a custom mask); run this "
             "model on document rows (doc_ids / position_ids), e.g. TRL's own trainers' path."
         )
-    plan = call.plan_for(B, S, bound, x.device)
+    plan = call.plan_for(B, S, bound, x.device, room.pad_factor)
     if plan.single:
         return own(x, **{k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS})
     rest = {k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS}

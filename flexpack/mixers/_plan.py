@@ -25,6 +25,7 @@ __all__ = ["DocumentPlan"]
 # A group's rows are padded to its longest document; documents (longest first) join the current
 # group while its padded tokens stay within PAD_FACTOR times its real ones. Few groups matter:
 # each is one call of the mixer, and the chunked torch scans loop over a group's chunks in Python.
+# A room whose per-token work dominates its per-call cost sets a tighter factor (Room.pad_factor).
 PAD_FACTOR = 2.0
 
 
@@ -56,7 +57,7 @@ class DocumentPlan:
     documents: int
 
     @classmethod
-    def from_doc_ids(cls, doc_ids: Tensor) -> DocumentPlan:
+    def from_doc_ids(cls, doc_ids: Tensor, pad_factor: float = PAD_FACTOR) -> DocumentPlan:
         """Plan the documents of ``doc_ids``: (B, S) integer ids, -1 on padding.
 
         One host copy of the ids (the group shapes are host numbers).
@@ -95,7 +96,7 @@ class DocumentPlan:
             while i < len(docs):
                 longest = real_tokens = docs[i][1]
                 j = i + 1
-                while j < len(docs) and (j - i + 1) * longest <= PAD_FACTOR * (
+                while j < len(docs) and (j - i + 1) * longest <= pad_factor * (
                     real_tokens + docs[j][1]
                 ):
                     real_tokens += docs[j][1]

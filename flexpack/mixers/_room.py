@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flexpack.mixers._plan import PAD_FACTOR
+
 __all__ = ["Room", "hub_functions", "uses_kernels"]
 
 
@@ -78,6 +80,9 @@ class Room:
         how: a sentence for the docs: how the room keeps documents apart.
         matches: optional predicate on a module, for mixers without kernel-mapped functions.
         excludes: names whose presence means a more specific room owns the module.
+        pad_factor: how much right padding a group of documents may carry (padded tokens over
+            real ones) on the torch path: fewer, larger groups (fewer calls) against fewer
+            padded tokens (see :mod:`flexpack.mixers._plan`).
     """
 
     name: str
@@ -86,6 +91,7 @@ class Room:
     how: str = ""
     matches: Callable[[torch.nn.Module], bool] | None = None
     excludes: frozenset[str] = frozenset()
+    pad_factor: float = PAD_FACTOR
 
     def owns(self, module: torch.nn.Module) -> bool:
         if self.matches is not None:
