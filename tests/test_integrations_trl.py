@@ -48,13 +48,20 @@ def tiny(kind: str = "llama", seed: int = 0):
         return transformers.MistralForCausalLM(
             transformers.MistralConfig(**common, sliding_window=3)
         )
+    if kind == "gpt_oss":  # attention sinks, sliding and full layers, experts
+        return transformers.GptOssForCausalLM(
+            transformers.GptOssConfig(
+                **common, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                sliding_window=3, layer_types=["sliding_attention", "full_attention"],
+            )
+        )  # fmt: skip
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    for kind in ("llama", "mistral"):
+    for kind in ("llama", "mistral", "gpt_oss"):
         tiny(kind).save_pretrained(path / kind)
     return path
 
@@ -115,10 +122,11 @@ def seam_pair(trainer, model, ids, mask, C):
     return ours, theirs
 
 
-@pytest.mark.parametrize("kind", ["llama", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gpt_oss"])
 def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp_path, kind):
     trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind=kind)
-    assert trainer.model.config._attn_implementation == "sdpa"  # the user's, left as it was
+    own = "eager" if kind == "gpt_oss" else "sdpa"  # the user's (gpt-oss has no sdpa path)
+    assert trainer.model.config._attn_implementation == own
     ids, mask, C = rl_batch()
     model = trainer.model
     for grad in (False, True):
@@ -141,7 +149,7 @@ def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
     # The prompts ran once: 3 groups + a lone row + the empty one's prompt is not forwarded.
     assert trainer.flexpack_stats.tree_tokens < trainer.flexpack_stats.padded_tokens
-    assert trainer.model.config._attn_implementation == "sdpa"
+    assert trainer.model.config._attn_implementation == own  # left as it was
 
 
 def test_grpo_batch_size_chunks_as_trls(model_dir, tokenizer, tmp_path):
@@ -303,6 +311,59 @@ def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path, precompute):
     assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
     if precompute:
         torch.testing.assert_close(runs["flexpack-ref"], runs["trl-ref"], atol=1e-4, rtol=0)
+
+
+def test_dpo_pairs_sharing_earlier_turns_pack_as_multi_level_trees(
+    tokenizer, tmp_path, monkeypatch
+):
+    """Multi-turn preference pairs: prompts that begin with the same turns (20 tokens, over
+    flexpack_shared_prefix's 16) share them one level above each pair's prompt; the training
+    run equals TRL's own DPOTrainer and forwards fewer tokens than one tree per prompt."""
+    g = torch.Generator().manual_seed(5)
+    turns = words(g, 20)
+    rows = {"prompt": [], "chosen": [], "rejected": []}
+    for i in range(6):
+        rows["prompt"].append(turns + " " + words(g, 1 + i % 3) if i % 3 else words(g, 4))
+        rows["chosen"].append(" " + words(g, 1 + i % 4))
+        rows["rejected"].append(" " + words(g, 2 + (i * 3) % 5))
+    data = datasets.Dataset.from_dict(rows)
+    calls, dpo_trees = {"rows": []}, ftrl._dpo_trees
+
+    def record(ids, mask, labels, k=0):
+        calls["rows"].append((ids, mask, labels, k))
+        return dpo_trees(ids, mask, labels, k)
+
+    runs = {}
+    for name, cls in (("trl", trl.DPOTrainer), ("flexpack", ftrl.DPOTrainer)):
+        args = trl.DPOConfig(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=6, max_steps=2,
+            use_cpu=True, bf16=False, report_to=[], seed=0, logging_steps=1,
+            save_strategy="no", learning_rate=1e-2, beta=0.1,
+        )  # fmt: skip
+        trainer = cls(
+            model=tiny(), ref_model=tiny(), args=args, train_dataset=data,
+            processing_class=tokenizer,
+        )  # fmt: skip
+        with warnings.catch_warnings(), monkeypatch.context() as patch:
+            warnings.simplefilter("ignore")
+            patch.setattr(ftrl, "_dpo_trees", record)
+            trainer.train()
+        runs[name] = trainer
+    want, got = runs["trl"], runs["flexpack"]
+    for a, b in zip(got.state.log_history, want.state.log_history, strict=True):
+        for k in ("loss", "rewards/chosen", "rewards/rejected", "logps/chosen"):
+            if k in b:
+                assert a[k] == pytest.approx(b[k], abs=1e-4), k
+    want_w = weights(want.model)
+    for k, v in weights(got.model).items():
+        torch.testing.assert_close(v, want_w[k], atol=1e-4, rtol=0)
+    assert got.flexpack_stats.fallbacks == 0
+    seen = calls["rows"]
+    assert seen and all(k == 16 for *_, k in seen)
+    alone, shared = (
+        sum(ftrl._dpo_trees(i, m, y, k)[0].batch.num_tokens for i, m, y, _ in seen) for k in (0, 16)
+    )
+    assert shared < alone  # the 20 shared tokens once per batch, not once per prompt
 
 
 def test_tree_path_never_holds_whole_batch_logits():

@@ -700,7 +700,9 @@ class _TreeCaller:
             kwargs[k] for k in ("input_ids", "attention_mask", "labels")
         )
         try:
-            trees, starts = _dpo_trees(input_ids, attention_mask, labels)
+            trees, starts = _dpo_trees(
+                input_ids, attention_mask, labels, self.trainer.flexpack_shared_prefix
+            )
         except ValueError as e:
             self.trainer._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
             return self.model(*args, **kwargs)
@@ -730,8 +732,10 @@ class _TreeCaller:
         )
 
 
-def _dpo_trees(input_ids: Tensor, attention_mask: Tensor, labels: Tensor):
-    """DPO's right-padded rows (prompt + answer) as (prompt, answer) trees.
+def _dpo_trees(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min_shared: int = 0):
+    """DPO's right-padded rows (prompt + answer) as (prompt, answer) trees; prompts that share
+    a beginning of ``min_shared`` tokens or more (multi-turn pairs: earlier turns, a system
+    prompt) as multi-level trees (:func:`_pack_rows`).
 
     Returns ``(trees, starts)``: ``starts`` (B,) the column of each row's first answer token.
     """
@@ -757,7 +761,7 @@ def _dpo_trees(input_ids: Tensor, attention_mask: Tensor, labels: Tensor):
         prompt_mask[b, P - p :] = True
         completion_ids[b, :c] = input_ids[b, p : p + c]
         completion_mask[b, :c] = True
-    trees = pack_padded(prompt_ids, prompt_mask, completion_ids, completion_mask)
+    trees = _pack_rows(prompt_ids, prompt_mask, completion_ids, completion_mask, min_shared)
     return trees, first
 
 
