@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -1410,8 +1411,12 @@ def context_parallel_attention(
             "projections"
         )
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, int | float):
-            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+        # numbers.Real takes numpy and Python scalars alike (np.float32(50.0) from a config)
+        if isinstance(softcap, bool | np.bool_) or not isinstance(softcap, numbers.Real):
+            raise TypeError(
+                f"softcap must be a float or None, got {softcap!r} of type "
+                f"{type(softcap).__name__}; pass a Python number, e.g. softcap=float(x)."
+            )
         if not 0 < softcap < math.inf:
             raise ValueError(
                 f"softcap must be a positive finite number (Gemma 2 uses 50.0), got {softcap}; "

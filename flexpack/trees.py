@@ -231,7 +231,14 @@ def _as_tokens(x: Any, where: str) -> np.ndarray:
             f"{where} has no tokens; every segment of a tree needs at least one (drop empty "
             f"completions, or give them an end-of-sequence token)."
         )
-    return _as_int64_ids(arr, where)
+    arr = _as_int64_ids(arr, where)
+    if int(arr.min()) < 0:  # as pack_sequences and the CLI refuse them
+        raise ValueError(
+            f"{where} holds token id {int(arr[np.argmax(arr < 0)])}; token ids are vocabulary "
+            "indices, >= 0 (an embedding would read a negative id from the end of the table). "
+            "Map or drop that segment."
+        )
+    return arr
 
 
 def _split_node(node: Any, where: str) -> tuple[np.ndarray, list[Any]]:
@@ -300,8 +307,8 @@ def pack_trees(
 
     Raises:
         TypeError: a node that is neither a token sequence nor a (tokens, [children]) pair.
-        ValueError: no groups, an empty segment, a tree longer than ``max_len`` (named), or a
-            strategy that cuts samples ("wrap").
+        ValueError: no groups, an empty segment, a negative token id or ``pad_id``, a tree
+            longer than ``max_len`` (named), or a strategy that cuts samples ("wrap").
 
     Example:
         >>> dpo = ([1, 2, 3], [[4, 5], [6]])  # prompt, chosen, rejected
@@ -322,8 +329,9 @@ def pack_trees(
             "strategy='wrap' cuts samples at row ends, but a tree must stay whole in its row; "
             "use 'bfd' (default), 'ffd' or 'greedy'."
         )
-    if isinstance(pad_id, bool) or not isinstance(pad_id, int | np.integer):
-        raise TypeError(f"pad_id must be an int token id, got {pad_id!r}.")
+    from flexpack.batch import _check_pad_id
+
+    pad_id = _check_pad_id(pad_id)  # an int in 0..2**63 - 1, as pack_sequences takes it
     trees = [_flatten(group, g) for g, group in enumerate(groups)]
     sizes = np.array([sum(len(s) for s in segs) for segs, _, _ in trees], dtype=np.int64)
     if isinstance(max_len, int) and not isinstance(max_len, bool) and max_len >= 1:

@@ -369,3 +369,12 @@ def test_packed_forward_kwargs_given_a_model_warns_without_flexpack_attention():
         warnings.simplefilter("error")
         packed_forward_kwargs(batch, model=_tiny_llama())
         packed_forward_kwargs(batch)  # no model: nothing to check
+
+
+def test_pack_trees_refuses_negative_token_and_pad_ids_as_pack_sequences_does():
+    with pytest.raises(ValueError, match=r"groups\[0\].*token id -3"):
+        flexpack.pack_trees([([1, 2], [[3, -3]])], 8)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        flexpack.pack_trees([([1, 2], [[3]])], 8, pad_id=-1)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        flexpack.pack_sequences([[1, 2]], 8, pad_id=-1)

@@ -228,6 +228,17 @@ def test_one_rank_needs_no_process_group_and_matches_attention() -> None:
     assert torch.equal(s.gather(q.detach(), dim=2), q.detach())
 
 
+def test_numpy_softcap_from_a_config_is_taken_as_attention_takes_it() -> None:
+    d = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2, 2, -1]])
+    s = shard_context(d, 1, 0)
+    q, k, v = _qkv(1, 2, 2, 10, 4, torch.float64)
+    out = context_parallel_attention(q, k, v, s, softcap=np.float32(3.0))
+    ref = flexpack.attention(q, k, v, _mask(d), softcap=np.float32(3.0))
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=0)
+    with pytest.raises(TypeError, match="softcap must be a float or None, got True"):
+        context_parallel_attention(q, k, v, s, softcap=True)
+
+
 def test_autocast_bf16_casts_like_attention() -> None:
     d = torch.tensor([[0] * 12 + [1] * 4])
     s = shard_context(d, 1, 0)
