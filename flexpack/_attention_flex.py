@@ -259,8 +259,12 @@ def flex(
     enable_gqa: bool,
     softcap: float | None = None,
     bucket: tuple[int, int] | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Compiled flex_attention; raises :class:`RecompileLimitError` instead of an eager fallback.
+
+    ``return_lse=True`` returns ``(out, lse)``, lse (B, Hq, S) float32 (attention sinks read it);
+    a graph of its own per bucket.
 
     Head dims below 16 on CUDA run zero-padded to 16 (see the module docstring). ``bucket``
     (rows, length) is the bucket shape of a call padded by ``flexpack.attention``: each bucket
@@ -282,12 +286,17 @@ def flex(
         enable_gqa,
         softcap is not None,
         tuple(block_mask.BLOCK_SIZE),
+        return_lse,
         bucket,
     )
     fn = compiled_flex_attention(config)
     score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
     options = flex_kernel_options(q.device, q.shape[-1], q.dtype, grad)
     extra = {} if options is None else {"kernel_options": options}
+    if return_lse:
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        extra["return_aux"] = AuxRequest(lse=True)
     handler = _reason_handler()
     handler.take()
     try:
@@ -300,6 +309,9 @@ def flex(
         raise RecompileLimitError(
             recompile_limit_message(handler.take(), q, k, block_mask)
         ) from err
+    if return_lse:
+        out, aux = out
+        return (out[..., :D] if padded != D else out), aux.lse
     return out[..., :D] if padded != D else out
 
 

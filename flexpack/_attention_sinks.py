@@ -15,7 +15,6 @@ Shape legend: B rows, Hq query heads, Hkv key/value heads, Q queries, KV keys, D
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -67,16 +66,6 @@ def dense_sink_attention(
     return (probs.to(v.dtype) @ v).to(q.dtype)
 
 
-@functools.cache
-def _flex(device_type: str):
-    """Compiled flex on CUDA; eager flex elsewhere (CPU inductor's flex returns no LSE)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if device_type != "cuda":
-        return flex_attention
-    return torch.compile(flex_attention, fullgraph=True, dynamic=False)
-
-
 def sink_attention(
     q: Tensor,
     k: Tensor,
@@ -122,15 +111,25 @@ def sink_attention(
 
         from flexpack._attention_flex import softcap_score_mod
 
-        if block_mask is None:
-            block_mask = mask.block_mask()
-        score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
-        out, aux = _flex(q.device.type)(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-            enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True),
-        )  # fmt: skip
+        if q.device.type == "cuda":  # compiled, padded to buckets as flexpack.attention's
+            from flexpack.attention import flex_with_lse
+
+            out, lse = flex_with_lse(
+                q, k, v, mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+            )  # fmt: skip
+        else:  # eager flex: CPU inductor's flex returns no LSE
+            from torch.nn.attention.flex_attention import flex_attention
+
+            if block_mask is None:
+                block_mask = mask.block_mask()
+            score_mod = None if softcap is None else softcap_score_mod(softcap, q.device)
+            out, aux = flex_attention(
+                q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                enable_gqa=enable_gqa, return_aux=AuxRequest(lse=True),
+            )  # fmt: skip
+            lse = aux.lse
         # lse is -inf for a query with no allowed key: sigmoid gives 0, and so does the output
-        weight = torch.sigmoid(aux.lse - sinks.float().view(1, Hq, 1))  # (B, Hq, S)
+        weight = torch.sigmoid(lse - sinks.float().view(1, Hq, 1))  # (B, Hq, S)
         return (out * weight.unsqueeze(-1).to(out.dtype)).to(q.dtype)
     from flexpack._attention_sdpa import dense_mask_from_mod
 

@@ -397,6 +397,67 @@ def _cached_block_mask(mask: Any, B: int, S: int, block_size: int, device: torch
     return built
 
 
+def _bucketed_flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    spec: _MaskSpec,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Compiled flex on ``spec``: a flexpack Mask's call padded to its (B, S) bucket."""
+    B, S = q.shape[0], q.shape[2]
+    if not torch.is_grad_enabled():
+        # flex_attention rejects CPU inputs that require grad even under no_grad, where no
+        # graph is recorded anyway.
+        q, k, v = q.detach(), k.detach(), v.detach()
+    B_flex, S_flex, bucket = B, S, None
+    if spec.block_mask is None and isinstance(spec.mask, _masks.Mask):
+        # Rows padded to the bucket length (the tail masked as padding) and the batch to a
+        # bucket row count (padding rows attend nothing): one compiled graph per (B, S)
+        # bucket instead of one per shape. Masks that need a padding factor for the tail
+        # get it at every S, so that a row of exactly a bucket length runs the same graph.
+        B_flex, S_flex = _attention_flex.flex_batch_rows(B), flex_row_length(S)
+        bucket = (B_flex, S_flex)
+        if (B_flex, S_flex) != (B, S) or not _excludes_padding(spec.mask):
+            spec = _padded_spec(spec.mask, B, S, B_flex, S_flex, q.device)
+        if (B_flex, S_flex) != (B, S):
+            pad = (0, 0, 0, S_flex - S, 0, 0, 0, B_flex - B)
+            q, k, v = (F.pad(x, pad) for x in (q, k, v))
+    block_mask = _flex_block_mask(spec, S_flex, q.device)
+    out = _attention_flex.flex(
+        q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
+        bucket=bucket, return_lse=return_lse,
+    )  # fmt: skip
+    if (B_flex, S_flex) == (B, S):
+        return out
+    if return_lse:
+        return out[0][:B, :, :S], out[1][:B, :, :S]
+    return out[:B, :, :S]
+
+
+def flex_with_lse(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Any,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Compiled flex on a flexpack Mask (or a BlockMask built from one) with its LSE, bucketed as
+    :func:`attention`'s flex path is: ``(out (B, Hq, S, D), lse (B, Hq, S) float32)``. For
+    CUDA (CPU inductor's flex returns no LSE); attention sinks use it."""
+    spec = _mask_spec(mask, q)
+    return _bucketed_flex(
+        q, k, v, spec, scale=scale, enable_gqa=enable_gqa, softcap=softcap, return_lse=True
+    )
+
+
 def _flex_block_mask(spec: _MaskSpec, S: int, device: torch.device) -> BlockMask:
     """The BlockMask flex runs with: the caller's, or one built (once) from the flexpack mask.
 
@@ -650,29 +711,7 @@ def attention(
             )
         path = "flex"  # a document cut into several runs: its window counts row positions
     if path == "flex":
-        if not torch.is_grad_enabled():
-            # flex_attention rejects CPU inputs that require grad even under no_grad, where no
-            # graph is recorded anyway.
-            q, k, v = q.detach(), k.detach(), v.detach()
-        B_flex, S_flex, bucket = B, S, None
-        if spec.block_mask is None and isinstance(spec.mask, _masks.Mask):
-            # Rows padded to the bucket length (the tail masked as padding) and the batch to a
-            # bucket row count (padding rows attend nothing): one compiled graph per (B, S)
-            # bucket instead of one per shape. Masks that need a padding factor for the tail
-            # get it at every S, so that a row of exactly a bucket length runs the same graph.
-            B_flex, S_flex = _attention_flex.flex_batch_rows(B), flex_row_length(S)
-            bucket = (B_flex, S_flex)
-            if (B_flex, S_flex) != (B, S) or not _excludes_padding(spec.mask):
-                spec = _padded_spec(spec.mask, B, S, B_flex, S_flex, q.device)
-            if (B_flex, S_flex) != (B, S):
-                pad = (0, 0, 0, S_flex - S, 0, 0, 0, B_flex - B)
-                q, k, v = (F.pad(x, pad) for x in (q, k, v))
-        block_mask = _flex_block_mask(spec, S_flex, q.device)
-        out = _attention_flex.flex(
-            q, k, v, block_mask, scale=scale, enable_gqa=enable_gqa, softcap=softcap,
-            bucket=bucket,
-        )  # fmt: skip
-        return out if (B_flex, S_flex) == (B, S) else out[:B, :, :S]
+        return _bucketed_flex(q, k, v, spec, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
     causal = spec.kind == "document_causal"
     if path == "varlen":
         # The mask's own doc_ids tensor (not a view): its grouping is cached across layers.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import types
 from dataclasses import dataclass, field
 
 import pytest
@@ -49,9 +50,11 @@ class Recorder:
     def flex(self, config):
         def compiled(
             q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-            kernel_options=None,
+            kernel_options=None, return_aux=None,
         ):  # fmt: skip
-            info = {"config": config, "S": q.shape[2], "kernel_options": kernel_options}
+            lse = return_aux is not None and return_aux.lse
+            info = {"config": config, "S": q.shape[2], "kernel_options": kernel_options,
+                    "lse": lse}  # fmt: skip
             self.calls.append(Call("flex", len(self.gpu.syncs), info))
             for name, x in (("q", q), ("k", k), ("v", v)):
                 assert is_fake_cuda(x), f"flex got {name} on {x.device} ({type(x).__name__})"
@@ -74,7 +77,12 @@ class Recorder:
                     assert is_fake_cuda(cell.cell_contents), "score_mod reads a CPU tensor"
             with self.gpu.paused():
                 dense = references.dense_mask(block_mask, q.shape[0], q.shape[1])
-                return _reference(q, k, v, dense, scale, enable_gqa, score_mod)
+                out = _reference(q, k, v, dense, scale, enable_gqa, score_mod)
+                if not lse:
+                    return out
+                return out, types.SimpleNamespace(
+                    lse=_reference_lse(q, k, dense, scale, enable_gqa, score_mod)
+                )
 
         return compiled
 
@@ -113,6 +121,22 @@ class Recorder:
                 pieces.append(o[0].transpose(0, 1))
             out = torch.cat(pieces) if pieces else out
         return out
+
+
+def _reference_lse(q, k, dense, scale, enable_gqa, score_mod):
+    """(B, Hq, S) float32 log-sum-exp of the masked scores (-inf where no key is allowed)."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = (
+        q.double()
+        @ k.double().transpose(-1, -2)
+        * (q.shape[-1] ** -0.5 if scale is None else scale)
+    )
+    if score_mod is not None:
+        s = score_mod(s, None, None, None, None)
+    if dense is not None:
+        s = s.masked_fill(~dense, float("-inf"))
+    return torch.logsumexp(s, dim=-1).float()
 
 
 def _reference(q, k, v, dense, scale, enable_gqa, score_mod):
@@ -415,6 +439,30 @@ def test_random_batch_shapes_reach_flex_in_buckets_on_cuda(fake_cuda, kernels):
     seen = {c.info["config"][-1] for c in kernels.calls}
     assert seen == want and len(want) < len(set(shapes))
     assert all(c.info["config"][-1][1] == c.info["S"] for c in kernels.calls)
+
+
+def test_sinks_on_cuda_run_bucketed_compiled_flex_with_its_lse(fake_cuda, kernels):
+    """gpt-oss's sinks on CUDA: compiled flex with return_aux (lse), padded to the same buckets
+    as flexpack.attention (three row lengths, one graph), equal to the dense sink formula."""
+    from flexpack._attention_sinks import dense_sink_attention, sink_attention
+
+    g = torch.Generator().manual_seed(0)
+    sinks = torch.randn(4, generator=g)
+    for S in (37, 50, 90):
+        d = torch.tensor([[0] * (S // 3) + [1] * (S - S // 3 - 5) + [-1] * 5])
+        cpu = masks.document(d) & masks.causal() & masks.sliding_window(8)
+        qc, kc, vc = (torch.randn(1, n, S, 16, generator=g) for n in (4, 2, 2))
+        m = masks.document(fake_cuda.to(d)) & masks.causal() & masks.sliding_window(8)
+        q, k, v, s = (fake_cuda.to(x) for x in (qc, kc, vc, sinks))
+        with fake_cuda.count() as syncs:
+            out = sink_attention(q, k, v, m, s, scale=None, enable_gqa=True)
+        assert len(syncs) <= 1, syncs
+        allowed = references.dense_mask(cpu, 1, 1)
+        want = dense_sink_attention(qc, kc, vc, allowed, sinks, scale=None)
+        torch.testing.assert_close(to_cpu(out), want, atol=1e-5, rtol=1e-5)
+    calls = kernels.kernels("flex")
+    assert len(calls) == 3 and all(c.info["lse"] for c in calls)
+    assert {c.info["S"] for c in calls} == {128} and len({c.info["config"] for c in calls}) == 1
 
 
 # ----------------------------------------------------------------------------- models
