@@ -464,6 +464,29 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             ok = dry_run or seen[0] != "math"
             checks.add("sdpa   causal fp32 GQA backend", ok, f"{seen[0]} (not the O(S^2) math)")
 
+    def sinks():
+        # gpt-oss's sinks: compiled flex with its LSE (bucketed), o * sigmoid(lse - sink)
+        from flexpack._attention_sinks import dense_sink_attention, sink_attention
+        from flexpack.testing import references
+
+        logits = torch.randn(Hq, generator=g)
+        cpu_mask = masks.document(doc_ids_cpu()) & masks.causal()
+
+        def want(q, k, v):
+            allowed = references.dense_mask(cpu_mask, device="cpu")
+            return dense_sink_attention(q, k, v, allowed, logits.double(), scale=None)
+
+        check(
+            "flex   attention sinks (LSE)",
+            inputs,
+            lambda q, k, v: sink_attention(
+                q, k, v, mask(), logits.to(device), scale=None, enable_gqa=True, backend="flex"
+            ),
+            want,
+            bf16,
+            grad,
+        )
+
     def recompiles():
         from torch._dynamo.utils import counters
 
@@ -510,6 +533,7 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
         # A BlockMask runs at its own shape (S=1000, not a bucket): a graph of its own.
         Check("flex   BlockMask of 64-token blocks", blocks64, compiles=1, late=True),
         Check("sdpa   causal fp32 GQA", causal_fp32, compiles=0),
+        Check("flex   attention sinks (LSE)", sinks, compiles=1),
         # New layouts and windows at the shapes of the checks above: no new graph.
         Check("flex recompiles (new layouts, new windows)", recompiles, compiles=0),
     ]

@@ -560,7 +560,7 @@ def test_gpu_bench_correctness_passes_on_cuda(fake_cuda, kernels):
     gpu = _gpu_bench()
     checks = gpu.correctness(torch.device("cuda"), S=150, dry_run=False)
     assert checks.failed == 0, "\n".join(checks.lines)
-    assert len(checks.lines) == 15
+    assert len(checks.lines) == 16
     assert {"flex", "varlen"} <= {c.kernel for c in kernels.calls}
     windows = [c.info["window"] for c in kernels.kernels("varlen")]
     assert (150 // 7, 0) in windows  # "auto sliding window": varlen's window_size
