@@ -149,26 +149,14 @@ def _pass_padding_mask(
             # PaliGemma's prefix, bidirectional configs): the attention composes it with the
             # documents instead of re-deriving it. The rule rides on a (B, S) padding mask of
             # our own (a plain tensor to transformers, which may hand it on to an inner model).
-            B, device = kwargs.get("batch_size"), kwargs.get("device")
-            if attention_mask is None:
-                pad = torch.ones(B, kv_length, dtype=torch.bool, device=device)
-            else:
-                pad = attention_mask.to(dtype=torch.bool, copy=True)
-            pad._flexpack_rule = rule  # type: ignore[attr-defined]
-            return pad
-        config = kwargs.get("config")
+            return _marked_padding(attention_mask, kv_length, kwargs, _flexpack_rule=rule)
         if hasattr(attention_mask, "_flexpack_rule") or hasattr(attention_mask, "_flexpack_causal"):
             return attention_mask  # an outer model's mask function already said (PaliGemma's)
-        if getattr(config, "use_bidirectional_attention", False) and _calls(rule, "causal"):
+        bidirectional = getattr(kwargs.get("config"), "use_bidirectional_attention", False)
+        if bidirectional and _calls(rule, "causal"):
             # a causal mask for layers whose is_causal is False (PaliGemma's Gemma without
             # token types, Gemma configs with the flag): transformers' mask wins, as on eager
-            B, device = kwargs.get("batch_size"), kwargs.get("device")
-            if attention_mask is None:
-                pad = torch.ones(B, kv_length, dtype=torch.bool, device=device)
-            else:
-                pad = attention_mask.to(dtype=torch.bool, copy=True)
-            pad._flexpack_causal = True  # type: ignore[attr-defined]
-            return pad
+            return _marked_padding(attention_mask, kv_length, kwargs, _flexpack_causal=True)
         return attention_mask
     from transformers.masking_utils import sdpa_mask
 
@@ -184,41 +172,49 @@ def _pass_padding_mask(
     )
 
 
-def _calls(fn: Any, word: str, depth: int = 0) -> bool:
+def _marked_padding(
+    attention_mask: Tensor | None, kv_length: int, kwargs: dict[str, Any], **marks: Any
+) -> Tensor:
+    """A (B, KV) bool padding mask of our own carrying ``marks`` as attributes for the
+    attention (transformers hands it on as a plain tensor)."""
+    if attention_mask is None:
+        B, device = kwargs.get("batch_size"), kwargs.get("device")
+        pad = torch.ones(B, kv_length, dtype=torch.bool, device=device)
+    else:
+        pad = attention_mask.to(dtype=torch.bool, copy=True)
+    for name, value in marks.items():
+        setattr(pad, name, value)
+    return pad
+
+
+def _wraps(fn: Any, found: Any, depth: int = 0) -> bool:
+    """Whether ``found(qualname)`` holds for transformers' mask function ``fn`` or a function
+    its closures hold (``and_masks`` / ``or_masks`` wrap theirs), six levels deep at most."""
+    if depth > 6 or not callable(fn):
+        return False
+    if found(getattr(fn, "__qualname__", "")):
+        return True
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            inner = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        items = inner if isinstance(inner, (tuple, list)) else (inner,)
+        if any(_wraps(x, found, depth + 1) for x in items):
+            return True
+    return False
+
+
+def _calls(fn: Any, word: str) -> bool:
     """Whether transformers' mask function is, or wraps, one whose name has ``word`` and not
     "bidirectional" (``causal_mask_function``, ``sliding_window_causal_mask_function``)."""
-    if depth > 6 or not callable(fn):
-        return False
-    name = getattr(fn, "__qualname__", "")
-    if word in name and "bidirectional" not in name:
-        return True
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            inner = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        items = inner if isinstance(inner, (tuple, list)) else (inner,)
-        if any(_calls(x, word, depth + 1) for x in items):
-            return True
-    return False
+    return _wraps(fn, lambda name: word in name and "bidirectional" not in name)
 
 
-def _has_overlay(fn: Any, depth: int = 0) -> bool:
+def _has_overlay(fn: Any) -> bool:
     """Whether transformers' mask function has an ``or_masks`` overlay (anything that lets a
     query see beyond causal/sliding/chunked: image blocks, a bidirectional prefix)."""
-    if depth > 6 or not callable(fn):
-        return False
-    if "or_masks" in getattr(fn, "__qualname__", ""):
-        return True
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            inner = cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
-        items = inner if isinstance(inner, (tuple, list)) else (inner,)
-        if any(_has_overlay(x, depth + 1) for x in items):
-            return True
-    return False
+    return _wraps(fn, lambda name: "or_masks" in name)
 
 
 def _rule_attention(
