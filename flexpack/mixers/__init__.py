@@ -67,6 +67,10 @@ _CACHE_NAMES = ("cache", "cache_params", "past_key_values", "layer_past")
 _BOUNDARY_KEYS = ("doc_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens",
                   "max_length_q", "max_length_k", "flexpack_mask")  # fmt: skip
 
+# What the model call hands the mixers' plan (and the tree mask they refuse): read from the
+# model's own call, since not every decoder layer passes its keywords down (LFM2 on 5.17).
+_SOURCES = ("doc_ids", "seq_idx", "position_ids", "attention_mask", "flexpack_mask")
+
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Adapted
 
 
@@ -125,9 +129,7 @@ class _Adapted:
                 sources = dict(self.signature.bind_partial(*args, **kwargs).arguments)
             except TypeError:
                 pass
-        self.call.sources = {
-            k: sources.get(k) for k in ("doc_ids", "seq_idx", "position_ids", "attention_mask")
-        }
+        self.call.sources = {k: sources.get(k) for k in _SOURCES}
 
 
 def _towers(model: torch.nn.Module) -> set[int]:
@@ -264,9 +266,7 @@ def adapt_caller(config: Any) -> None:
     if state is not None and frame_locals is not None:
         found = dict(frame_locals.get("kwargs") or {})
         found.update({k: v for k, v in frame_locals.items() if k != "kwargs"})
-        state.call.sources = {
-            k: found.get(k) for k in ("doc_ids", "seq_idx", "position_ids", "attention_mask")
-        }
+        state.call.sources = {k: found.get(k) for k in _SOURCES}
 
 
 def _install(module: torch.nn.Module, room: Room, call: _Call) -> None:
@@ -305,7 +305,7 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             stacklevel=3,
         )
         bound[cache_name] = None
-    if bound.get("flexpack_mask") is not None:
+    if bound.get("flexpack_mask") is not None or call.sources.get("flexpack_mask") is not None:
         raise ValueError(
             f"{type(module).__name__} keeps a recurrent / convolutional state along the row, "
             "which cannot follow a flexpack_mask (a prefix tree or a custom mask); run this "
