@@ -18,12 +18,18 @@ measured in one run, repeats interleaved, medians. The processor is transformers
 ``Qwen2VLProcessor`` with a word-level tokenizer (no download) and without the video processor
 (it needs torchvision).
 
-    python bench/vlm.py [--samples 96] [--repeats 3] [--threads 1] [--max-len 1024]
+    python bench/vlm.py [--family qwen2_vl|gemma3] [--samples 96] [--repeats 3] [--threads 1]
+                        [--max-len 1024]
+
+``--family gemma3``: a tiny Gemma 3 (sliding and full text layers; image tokens attend each
+other both ways, transformers' token-type rule that flexpack composes with the documents) with
+``Gemma3Processor`` (word-level tokenizer, PIL image processor at 32 x 32 px, 16 tokens an image).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
@@ -32,8 +38,11 @@ import numpy as np
 import torch
 
 
-def processor(transformers):
+def processor(transformers, family: str = "qwen2_vl"):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    if family == "gemma3":
+        return gemma3_processor(transformers)
 
     special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
     vocab = {f"t{i}": i for i in range(250)} | {"<pad>": 250, "<unk>": 251}
@@ -59,7 +68,42 @@ def processor(transformers):
     return ImageOnlyProcessor(image_processor=images, tokenizer=tokenizer, video_processor=None)
 
 
-def model(transformers, attn: str, hidden: int):
+def gemma3_processor(transformers):
+    """Gemma3Processor with a word-level tokenizer and the PIL image processor at 32 x 32 px
+    (16 image tokens per image, as the tiny model's mm_tokens_per_image)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+    special = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
+    vocab = {f"t{i}": i for i in range(250)} | {"<pad>": 250, "<unk>": 251}
+    vocab |= {s: 252 + i for i, s in enumerate(special)}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens={"boi_token": "<start_of_image>",
+                              "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"},
+    )  # fmt: skip
+    images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
+    return transformers.Gemma3Processor(
+        image_processor=images, tokenizer=tokenizer, image_seq_length=16
+    )
+
+
+def model(transformers, attn: str, hidden: int, family: str = "qwen2_vl"):
+    if family == "gemma3":  # sliding + full text layers; images attend each other both ways
+        config = transformers.Gemma3Config(
+            text_config=dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
+                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=32, pad_token_id=250, sliding_window=64,
+                             layer_types=["sliding_attention", "full_attention"]),
+            vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, image_size=32, patch_size=4),
+            mm_tokens_per_image=16, image_token_index=253, boi_token_index=252,
+            eoi_token_index=254, attn_implementation=attn,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        return transformers.Gemma3ForConditionalGeneration(config).train()
     config = transformers.Qwen2VLConfig(
         text_config=dict(vocab_size=256, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -74,8 +118,9 @@ def model(transformers, attn: str, hidden: int):
     return transformers.Qwen2VLForConditionalGeneration(config).train()
 
 
-def examples(mix: str, n: int, seed: int) -> list[dict]:
-    """TRL's "text" + "images" examples: an image is 16-144 tokens (32..96 px sides)."""
+def examples(mix: str, n: int, seed: int, family: str = "qwen2_vl") -> list[dict]:
+    """TRL's "text" + "images" examples: an image is 16-144 tokens (32..96 px sides) for
+    Qwen2-VL, 16 for the tiny Gemma 3 (its processor resizes every image to 32 x 32)."""
     from PIL import Image
 
     rng = random.Random(seed)
@@ -89,7 +134,10 @@ def examples(mix: str, n: int, seed: int) -> list[dict]:
             h, w = rng.choice([16, 24, 32, 48]), rng.choice([16, 24, 32, 48])
             pixels = np.random.default_rng(rng.randrange(2**31)).integers(0, 255, (h, w, 3))
             ex["images"] = [Image.fromarray(pixels.astype(np.uint8))]
-            ex["text"] = "<|vision_start|> <|image_pad|> <|vision_end|> " + text
+            marker = "<start_of_image> " if family == "gemma3" else (
+                "<|vision_start|> <|image_pad|> <|vision_end|> "
+            )  # fmt: skip
+            ex["text"] = marker + text
         out.append(ex)
     return out
 
@@ -143,6 +191,7 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--family", choices=("qwen2_vl", "gemma3"), default="qwen2_vl")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -152,18 +201,18 @@ def main() -> None:
 
     from flexpack.integrations.transformers import register
 
-    print(f"# bench/vlm.py on {describe()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}, {args.threads} thread(s)\n")  # fmt: skip
+    print(f"# bench/vlm.py --family {args.family} on {describe()}, torch {torch.__version__}, "
+          f"transformers {transformers.__version__}, {args.threads} thread(s)\n")  # fmt: skip
     transformers.logging.set_verbosity_error()
-    proc = processor(transformers)
+    proc = processor(transformers, args.family)
     collator = DataCollatorForVisionLanguageModeling(proc)
-    peer = model(transformers, "sdpa", args.hidden)
-    ours = model(transformers, register(), args.hidden)
+    peer = model(transformers, "sdpa", args.hidden, args.family)
+    ours = model(transformers, register(), args.hidden, args.family)
     print("| mix | samples | real tokens | TRL padding | flexpack padding | TRL tokens/s | "
-          "flexpack tokens/s | speed-up | TRL data s | flexpack data s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "flexpack tokens/s | speed-up | TRL data s | flexpack data s | load |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for mix in ("image-heavy", "text-heavy"):
-        exs = examples(mix, args.samples, seed=0)
+        exs = examples(mix, args.samples, seed=0, family=args.family)
         order = list(range(len(exs)))
         random.Random(0).shuffle(order)
         trl_runs, ours_runs = [], []
@@ -176,10 +225,11 @@ def main() -> None:
         f_steps = statistics.median(r["steps"] for r in ours_runs)
         t_data = statistics.median(r["data"] for r in trl_runs)
         f_data = statistics.median(r["data"] for r in ours_runs)
+        load = os.getloadavg()[0]
         print(f"| {mix} | {len(exs)} | {t['real']:,} | {1 - t['real'] / t['slots']:.1%} | "
               f"{1 - f['real'] / f['slots']:.1%} | {t['real'] / t_steps:,.0f} | "
               f"{f['real'] / f_steps:,.0f} | {t_steps / f_steps:.2f}x | {t_data:.2f} | "
-              f"{f_data:.2f} |")  # fmt: skip
+              f"{f_data:.2f} | {load:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
