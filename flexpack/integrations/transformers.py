@@ -230,8 +230,9 @@ def _rule_attention(
 ) -> Tensor:
     """transformers' mask rule & the documents, one SDPA call per document.
 
-    The rule is evaluated on row indices (as transformers does for the row) and cut to each
-    document's block, so a document costs its own L x L mask, never the row's S x S.
+    The rule is evaluated on row indices (as transformers does for the row), on the whole
+    (B, 1, S, S) grid, then cut to each document's block: the attention of a document costs its
+    own L x L, the rule's evaluation the row's S x S.
 
     Returns:
         (B, Hq, S, D); padding queries give 0.
