@@ -38,23 +38,31 @@ import numpy as np
 import torch
 
 
-def processor(transformers, family: str = "qwen2_vl"):
+def word_tokenizer(transformers, special: dict[str, str]):
+    """A word-level tokenizer of t0..t249, <pad> (250), <unk> (251) and ``special`` (name ->
+    token, ids from 252 in order), no download."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
+    vocab = {f"t{i}": i for i in range(250)} | {"<pad>": 250, "<unk>": 251}
+    vocab |= {s: 252 + i for i, s in enumerate(special.values())}
+    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        extra_special_tokens=special,
+    )
+
+
+def processor(transformers, family: str = "qwen2_vl"):
     if family == "gemma3":
         return gemma3_processor(transformers)
 
-    special = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
-    vocab = {f"t{i}": i for i in range(250)} | {"<pad>": 250, "<unk>": 251}
-    vocab |= {s: 252 + i for i, s in enumerate(special)}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
-        extra_special_tokens={"image_token": "<|image_pad|>", "video_token": "<|video_pad|>",
-                              "vision_start_token": "<|vision_start|>",
-                              "vision_end_token": "<|vision_end|>"},
-    )  # fmt: skip
+    tokenizer = word_tokenizer(transformers, {
+        "vision_start_token": "<|vision_start|>", "image_token": "<|image_pad|>",
+        "vision_end_token": "<|vision_end|>", "video_token": "<|video_pad|>",
+    })  # fmt: skip
     images = transformers.Qwen2VLImageProcessor(
         patch_size=2, merge_size=2, temporal_patch_size=1, min_pixels=16, max_pixels=64 * 64
     )
@@ -71,19 +79,12 @@ def processor(transformers, family: str = "qwen2_vl"):
 def gemma3_processor(transformers):
     """Gemma3Processor with a word-level tokenizer and the PIL image processor at 32 x 32 px
     (16 image tokens per image, as the tiny model's mm_tokens_per_image)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-    special = ["<start_of_image>", "<image_soft_token>", "<end_of_image>"]
-    vocab = {f"t{i}": i for i in range(250)} | {"<pad>": 250, "<unk>": 251}
-    vocab |= {s: 252 + i for i, s in enumerate(special)}
-    words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=words, pad_token="<pad>", unk_token="<unk>",
-        extra_special_tokens={"boi_token": "<start_of_image>",
-                              "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"},
-    )  # fmt: skip
+    tokenizer = word_tokenizer(transformers, {
+        "boi_token": "<start_of_image>", "image_token": "<image_soft_token>",
+        "eoi_token": "<end_of_image>",
+    })  # fmt: skip
     images = Gemma3ImageProcessorPil(size={"height": 32, "width": 32})
     return transformers.Gemma3Processor(
         image_processor=images, tokenizer=tokenizer, image_seq_length=16
