@@ -11,6 +11,9 @@ flex_attention has no CPU backward in torch 2.13, so training on CPU goes throug
   A sliding window is each document's own band: ``is_causal`` where the document fits in the
   window, else a banded (L, L) mask, or, for documents much longer than the window, query
   chunks of at least ``window + 1`` tokens against their ``window`` keys before (O(L * window)).
+- per-document with a mask (any other mask inside the documents: prefix-LM, Gemma 3's image
+  spans, a window over documents cut into runs): the same calls, each with the mask evaluated
+  on its document's own (L, L) block at the document's row positions.
 - dense (every other mask): the mask is evaluated into a (B, H, S, S) bool tensor and handed to
   SDPA. Rows with no allowed key are computed against all keys (so no NaN appears anywhere) and
   then zeroed, which also zeroes their gradients.
@@ -348,6 +351,8 @@ def per_document_sdpa(
     enable_gqa: bool,
     softcap: float | None = None,
     window: int | None = None,
+    mask_mod: Callable[..., Tensor] | None = None,
+    attend: Callable[[Tensor, Tensor, Tensor, Tensor], Tensor] | None = None,
 ) -> Tensor:
     """Attention restricted to each document: one SDPA call per document, or per length.
 
@@ -361,15 +366,32 @@ def per_document_sdpa(
             (``document_causal & sliding_window(window)``); documents must be contiguous runs
             (:func:`contiguous_documents`), where the distance in the row is the distance in
             the document.
+        mask_mod: instead of ``causal`` / ``window``, any mask that allows no pair across the
+            documents of ``doc_ids`` (a flexpack ``document(d) & ...`` composition, or
+            transformers' rule & the documents): evaluated on each document's own block at its
+            row positions (documents cut into several runs included), so the work and the
+            mask are the sum of ``L_i^2``, never ``S^2``. Fully masked queries give 0.
+        attend: with ``mask_mod``, the attention of one batch of blocks,
+            ``attend(q, k, v, allowed) -> (n, Hq, L, D)`` with ``allowed`` (n, 1, L, L) bool
+            (default :func:`dense_sdpa`; gpt-oss passes its sink attention).
 
     Returns:
         (B, Hq, S, D), 0 on padding tokens.
     """
     B, Hq, S, D = q.shape
     assert window is None or causal, "a sliding window is only routed here with causal"
+    assert mask_mod is None or not causal, "a mask_mod carries its own causality"
     plan = cached_plan("sdpa", doc_ids, B, _sdpa_plan)
 
-    def run(qd: Tensor, kd: Tensor, vd: Tensor) -> Tensor:  # (n, H, L, D) documents
+    def run(qd: Tensor, kd: Tensor, vd: Tensor, pos: Tensor | None) -> Tensor:
+        # (n, H, L, D) documents; pos: (n, L) int64 flat positions (b * S + s), with mask_mod
+        if mask_mod is not None:
+            allowed = _blocks_of(mask_mod, pos, B, S)
+            if attend is not None:
+                return attend(qd, kd, vd, allowed)
+            return dense_sdpa(
+                qd, kd, vd, allowed, scale=scale, enable_gqa=enable_gqa, softcap=softcap
+            )
         if causal:
             return causal_window_sdpa(
                 qd, kd, vd, window, scale=scale, enable_gqa=enable_gqa, softcap=softcap
@@ -383,13 +405,19 @@ def per_document_sdpa(
     if plan.strategy == "split":
         # One split per tensor: its backward is a single cat (slicing per call would zero-fill
         # a full-size gradient per call).
-        for qd, kd, vd, is_doc in zip(
-            *(torch.split(x, plan.sizes, dim=1) for x in (qh, kh, vh)), plan.is_doc, strict=True
-        ):
+        start = 0
+        for qd, kd, vd, is_doc, size in zip(
+            *(torch.split(x, plan.sizes, dim=1) for x in (qh, kh, vh)), plan.is_doc, plan.sizes,
+            strict=True,
+        ):  # fmt: skip
             if is_doc:
-                outs.append(run(qd[None], kd[None], vd[None])[0])
+                pos = None
+                if mask_mod is not None:
+                    pos = torch.arange(start, start + size, device=q.device)[None]
+                outs.append(run(qd[None], kd[None], vd[None], pos)[0])
             else:
                 outs.append(qd.new_zeros(qd.shape))
+            start += size
         out = torch.cat(outs, dim=1)
         if not any(plan.is_doc):  # all padding: keep the graph, gradients are 0
             out = out + 0.0 * (qh.sum() + kh.sum() + vh.sum())
@@ -397,13 +425,14 @@ def per_document_sdpa(
 
     qs, ks, vs = (x.index_select(1, plan.perm) for x in (qh, kh, vh))  # (H, T, D)
     sizes = [length * count for length, count in plan.runs]
-    for (length, count), qd, kd, vd in zip(
-        plan.runs, *(torch.split(x, sizes, dim=1) for x in (qs, ks, vs)), strict=True
+    perms = torch.split(plan.perm, sizes)
+    for (length, count), qd, kd, vd, pd in zip(
+        plan.runs, *(torch.split(x, sizes, dim=1) for x in (qs, ks, vs)), perms, strict=True
     ):
         qd, kd, vd = (
             x.reshape(x.shape[0], count, length, D).transpose(0, 1) for x in (qd, kd, vd)
         )  # (n, H, L, D)
-        od = run(qd, kd, vd)
+        od = run(qd, kd, vd, pd.reshape(count, length))
         outs.append(od.transpose(0, 1).reshape(Hq, count * length, D))
     out = q.new_zeros(Hq, B * S, D)
     if outs:
@@ -411,6 +440,23 @@ def per_document_sdpa(
     else:  # no real token at all: keep the graph so backward still runs (gradients are 0)
         out = out + 0.0 * (qs.sum() + ks.sum() + vs.sum())
     return out.reshape(Hq, B, S, D).transpose(0, 1)
+
+
+def _blocks_of(mask_mod: Callable[..., Tensor], pos: Tensor, B: int, S: int) -> Tensor:
+    """``mask_mod`` on the blocks of documents at flat positions ``pos`` (n, L) of a (B, S) row
+    stream: (n, 1, L, L) bool, from broadcast indices (the n rows, their positions in the row).
+    Mask mods that do not broadcast get the dense (B, 1, S, S) mask, cut to the blocks."""
+    n, L = pos.shape
+    b, s = pos[:, :1] // S, pos % S  # (n, 1), (n, L): a document lies in one row
+    try:
+        allowed = mask_mod(
+            b.view(n, 1, 1, 1), torch.zeros_like(b).view(n, 1, 1, 1),
+            s.view(n, 1, L, 1), s.view(n, 1, 1, L),
+        )  # fmt: skip
+        return torch.broadcast_to(allowed, (n, 1, L, L)).to(torch.bool)
+    except (RuntimeError, IndexError, TypeError):
+        dense = create_mask(mask_mod, B, 1, S, S, device=pos.device).to(torch.bool)
+        return dense[b.view(n, 1, 1), 0, s.view(n, L, 1), s.view(n, 1, L)].unsqueeze(1)
 
 
 def dense_mask_from_mod(

@@ -15,9 +15,10 @@ CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 
           (head dims below 16 zero-padded to 16; rows padded to a bucket length, see below)
 CPU       document / document_causal masks: SDPA per document (2.6-3.8x faster than compiled
           flex in the forward in bench/attention.py; flex has no CPU backward); causal alone: SDPA
-          ``is_causal``; tree masks: SDPA per segment (compiles nothing); other masks: compiled
-          flex_attention without grad (float64, which CPU flex lacks, stays on SDPA), SDPA with
-          a dense mask with grad
+          ``is_causal``; tree masks: SDPA per segment (compiles nothing); any other mask inside
+          documents (prefix_lm, ``document(d) & ...``): SDPA per document with the mask
+          evaluated on the document's own block; other masks: compiled flex_attention without
+          grad (float64, which CPU flex lacks, stays on SDPA), SDPA with a dense mask with grad
 ========  ==========================================================================
 
 Every path computes the same function: query q attends key kv iff the mask allows (q, kv);
@@ -243,7 +244,7 @@ def _choose_path(
     q: Tensor, k: Tensor, v: Tensor, spec: _MaskSpec, backend: str, softcap: float | None = None
 ) -> str:
     """The path for these inputs: "flex", "varlen", "sdpa_document", "sdpa_document_window",
-    "sdpa_causal", "sdpa_tree", "sdpa_dense".
+    "sdpa_causal", "sdpa_tree", "sdpa_document_masked", "sdpa_dense".
 
     Raises ValueError when ``backend`` cannot run this mask on this device.
     """
@@ -251,6 +252,7 @@ def _choose_path(
     grad = _needs_grad(q, k, v)
     per_document = spec.kind in _DOCUMENT_KINDS and spec.doc_ids is not None
     windowed = _document_window(spec) is not None
+    within_documents = _documents_of(spec) is not None
 
     def sdpa_path() -> str:
         if per_document:
@@ -261,6 +263,8 @@ def _choose_path(
             return "sdpa_causal"
         if spec.kind == "tree" and spec.mask is not None:
             return "sdpa_tree"  # one SDPA call per segment (flexpack._attention_tree)
+        if within_documents:
+            return "sdpa_document_masked"  # the mask on each document's own L x L block
         return "sdpa_dense"
 
     if backend == "sdpa":
@@ -341,9 +345,30 @@ def _choose_path(
         # Per-segment SDPA compiles nothing: new row or segment counts cost nothing, where
         # compiled flex took seconds per new layout on CPU (the reference pass of an RL step).
         return sdpa_path()
+    if within_documents:
+        # Any mask inside the documents (prefix-LM, Gemma 3's image spans, windows over split
+        # documents): SDPA on each document's block compiles nothing and beats flex on CPU.
+        return sdpa_path()
     if q.device.type == "cpu" and not grad and q.dtype != torch.float64:
         return "flex"  # (flex on CPU has no float64 kernel: float64 stays on SDPA)
     return sdpa_path()
+
+
+def _documents_of(spec: _MaskSpec) -> Tensor | None:
+    """The doc ids (B or 1, S) of a mask that allows no pair across their documents, else None.
+
+    A prefix_lm mask, or an AND with a document / document_causal / prefix_lm factor: every
+    allowed pair lies in one document of that factor, so the mask can be evaluated and applied
+    block by block (``per_document_sdpa(mask_mod=...)``)."""
+    mask = spec.mask
+    if mask is None:
+        return None
+    within = ("prefix_lm", *_DOCUMENT_KINDS)
+    factors = mask.children if mask.kind == "and" else (mask,)
+    for factor in factors:
+        if factor.kind in within and factor.doc_ids is not None:
+            return factor.doc_ids
+    return None
 
 
 def _document_window(spec: _MaskSpec) -> int | None:
@@ -629,7 +654,8 @@ def attention(
             (``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, document and
             document_causal masks, and document_causal & sliding_window over documents that
             are one run each). "sdpa": ``scaled_dot_product_attention`` per document for
-            document masks, with a dense (B, 1, S, S) mask otherwise; any device, with backward.
+            document masks and any mask inside documents (the mask evaluated on each document's
+            own block), with a dense (B, 1, S, S) mask otherwise; any device, with backward.
         softcap: attention-logit soft-capping as in Gemma 2: scores become
             ``softcap * tanh(scores / softcap)`` after ``scale``, before masking. None (default)
             for none. Runs on every backend but "varlen"; on CUDA "auto" uses flex for it.
@@ -730,7 +756,12 @@ def attention(
                 softcap=softcap, window=_document_window(spec),
             )  # fmt: skip
         # A document cut into several runs: its window counts row positions, not its own.
-        path = "sdpa_dense"
+        path = "sdpa_document_masked"
+    if path == "sdpa_document_masked":
+        return _attention_sdpa.per_document_sdpa(
+            q, k, v, _documents_of(spec), causal=False, scale=scale, enable_gqa=enable_gqa,
+            softcap=softcap, mask_mod=spec.mask.mask_mod,
+        )  # fmt: skip
     if path == "sdpa_causal":
         k, v, enable_gqa = _kv_for_causal_sdpa(q, k, v, enable_gqa)
         return _attention_sdpa.sdpa(

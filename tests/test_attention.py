@@ -141,6 +141,31 @@ def test_both_per_document_strategies(doc_ids, strategy):
     check_against(ref, q, k, v, mask, enable_gqa=True, pad=doc_ids < 0)
 
 
+def test_masked_per_document_blocks_of_a_mask_mod_that_does_not_broadcast():
+    # transformers' rules and users' mask_mods are written for vmap; one that refuses broadcast
+    # index tensors gets the dense mask, cut to the same blocks.
+    from flexpack._attention_sdpa import per_document_sdpa
+
+    B, S = DOC_IDS.shape
+    spans = (torch.arange(S) % 5 == 0).expand(B, S)
+
+    def scalar_only(b, h, q_idx, kv_idx):
+        if q_idx.dim() != 0:
+            raise RuntimeError("scalars only")
+        return (kv_idx <= q_idx) | spans[b, kv_idx]
+
+    broadcasting = lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | spans[b, kv_idx]
+    q, k, v = make_qkv(B, 2, 2, S, 8, torch.float32)
+    kw = dict(causal=False, scale=None, enable_gqa=False)
+    mods = (scalar_only, broadcasting)
+    got, want = (per_document_sdpa(q, k, v, DOC_IDS, mask_mod=mod, **kw) for mod in mods)
+    pos = torch.arange(S)
+    rule = (pos[None, :] <= pos[:, None]) | spans[:, None, None, :]  # (B, 1, S, S)
+    allowed = dense_mask(masks.document(DOC_IDS), B, 1, S, S) & rule
+    ref = reference_attention(q.double(), k.double(), v.double(), allowed)
+    assert rel_err(want, ref) < 1e-5 and torch.equal(got, want)
+
+
 def test_one_row_mask_broadcasts_over_the_batch():
     doc_ids = torch.tensor([0, 0, 1, 1, 1, 2, -1])
     q, k, v = make_qkv(3, 2, 2, 7, 8, torch.float32)
@@ -163,14 +188,46 @@ def test_property_per_document_path(doc_ids, causal, gqa):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dense_path_equals_per_document_path_on_the_same_mask(dtype):
+def test_masked_per_document_path_equals_per_document_path_on_the_same_mask(dtype):
     # document & causal & padding is the document-causal mask again, but as an "and" composition
-    # it takes the dense-mask path: both must agree with the per-document reference.
+    # it takes the masked per-document path (its mask_mod on each block): both must agree with
+    # the per-document reference.
     mask = masks.document(DOC_IDS) & masks.causal() & masks.padding(DOC_IDS)
     q, k, v = make_qkv(2, 4, 2, DOC_IDS.shape[1], 16, dtype)
-    assert _choose_path(q, k, v, _mask_spec(mask, q), "auto") == "sdpa_dense"
+    assert _choose_path(q, k, v, _mask_spec(mask, q), "auto") == "sdpa_document_masked"
     ref = lambda q, k, v: per_document_reference(q, k, v, DOC_IDS, causal=True)
     check_against(ref, q, k, v, mask, enable_gqa=True, pad=DOC_IDS < 0)
+
+
+@pytest.mark.parametrize(
+    "doc_ids",
+    [
+        DOC_IDS[:1],  # split: one call per document, on views
+        DOC_IDS,  # gather: row 1 cuts documents 7 and 2 into runs (row positions matter)
+        torch.arange(60).repeat_interleave(torch.tensor([1, 2, 3] * 20))[None],  # batched
+    ],
+    ids=["packer", "repeated_ids", "many_short"],
+)
+def test_masked_per_document_path_matches_dense_reference(doc_ids):
+    # Gemma 3's shape of mask: documents & (causal | same span) & a window, plus a user's own
+    # mask_mod that reads row positions; each block's mask is evaluated at its row positions.
+    B, S = doc_ids.shape
+    spans = (torch.arange(S) // 4 % 3 - 1).expand(B, S).contiguous()  # -1: text, else a span
+    spans = torch.where(spans >= 0, spans + 10 * doc_ids.clamp(min=0), -1)
+    image = masks.document(doc_ids) & (masks.causal() | masks.document(spans))
+    made = [
+        image,
+        image & masks.sliding_window(3),
+        masks.document(doc_ids) & masks.causal() & masks.sliding_window(2),
+    ]
+    for mask in made:
+        q, k, v = make_qkv(B, 4, 2, S, 8, torch.float32)
+        spec = _mask_spec(mask, q)
+        if _choose_path(q, k, v, spec, "auto") != "sdpa_document_window":  # contiguous: bands
+            assert _choose_path(q, k, v, spec, "auto") == "sdpa_document_masked"
+        with torch.no_grad():  # without grad on CPU too: compiles nothing, as per document
+            assert _choose_path(q, k, v, spec, "auto") != "flex"
+        check_against(_dense_ref(mask, B, S, True), q, k, v, mask, enable_gqa=True)
 
 
 def _dense_ref(mask, B, S, enable_gqa=False):
@@ -282,10 +339,14 @@ def test_dispatch_on_cpu():
     # document_causal & sliding_window: each document's own band (tests/test_attention_window.py)
     window_spec = _mask_spec(mask & masks.sliding_window(3), q)
     assert _choose_path(q, k, v, window_spec, "auto") == "sdpa_document_window"
-    # Other masks: compiled flex without grad (block sparsity), dense SDPA with grad.
-    other_spec = _mask_spec(masks.document(DOC_IDS) & masks.sliding_window(3), q)
-    assert _choose_path(q, k, v, other_spec, "auto") == "sdpa_dense"
+    # Other masks inside documents: the mask on each document's block, with or without grad.
+    inside_spec = _mask_spec(masks.document(DOC_IDS) & masks.sliding_window(3), q)
+    assert _choose_path(q, k, v, inside_spec, "auto") == "sdpa_document_masked"
     qd, kd, vd = (x.detach() for x in (q, k, v))
+    assert _choose_path(qd, kd, vd, inside_spec, "auto") == "sdpa_document_masked"
+    # Masks across documents: compiled flex without grad (block sparsity), dense SDPA with grad.
+    other_spec = _mask_spec(masks.padding(DOC_IDS) & masks.sliding_window(3), q)
+    assert _choose_path(q, k, v, other_spec, "auto") == "sdpa_dense"
     assert _choose_path(qd, kd, vd, other_spec, "auto") == "flex"
     assert _choose_path(qd, kd, vd, other_spec, "sdpa") == "sdpa_dense"
 

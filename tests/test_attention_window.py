@@ -118,4 +118,4 @@ def test_dispatch():
     # Not this path: a window without causal (it lets queries see future keys), or a third factor.
     third = masks.document(doc_ids) & masks.causal() & window & masks.padding(doc_ids)
     for mask in (masks.document(doc_ids) & window, third):
-        assert _choose_path(q, k, v, _mask_spec(mask, q), "auto") == "sdpa_dense"
+        assert _choose_path(q, k, v, _mask_spec(mask, q), "auto") == "sdpa_document_masked"

@@ -569,7 +569,7 @@ def test_recompile_hint_names_a_row_count_change(counted_flex):
 def test_float64_and_wide_heads_on_cuda_leave_flex():
     spec = _mask_spec(masks.document(DOC) & masks.sliding_window(4), torch.empty(1, 4, 32, 64))
     for q in (_fake(torch.float64, D=64), _fake(torch.bfloat16, D=320)):
-        assert _choose_path(q, q, q, spec, "auto") == "sdpa_dense"
+        assert _choose_path(q, q, q, spec, "auto") == "sdpa_document_masked"
         with pytest.raises(ValueError, match="backend='flex' cannot run"):
             _choose_path(q, q, q, spec, "flex")
 

@@ -230,42 +230,25 @@ def _rule_attention(
 ) -> Tensor:
     """transformers' mask rule & the documents, one SDPA call per document.
 
-    The rule is evaluated on row indices (as transformers does for the row), on the whole
-    (B, 1, S, S) grid, then cut to each document's block: the attention of a document costs its
-    own L x L, the rule's evaluation the row's S x S.
+    The rule is evaluated on row indices (as transformers does for the row), on each document's
+    own block only: a document costs its L x L, in the rule's evaluation as in the attention.
 
     Returns:
         (B, Hq, S, D); padding queries give 0.
     """
-    from flexpack._attention_sdpa import dense_mask_from_mod, dense_sdpa
+    from flexpack._attention_sdpa import per_document_sdpa
 
-    B, Hq, S, _ = query.shape
-    allowed = dense_mask_from_mod(rule, B, 1, S, query.device)  # (B, 1, S, S) bool
-    gqa = key.shape[1] != Hq
-    rows = doc_ids.expand(B, S).tolist()  # one host read per layer call (CPU path)
-    outs = []
-    for b, row in enumerate(rows):
-        out = query.new_zeros((1, *query.shape[1:]))  # (1, Hq, S, D): padding stays 0
-        start = 0
-        for i in range(1, S + 1):
-            if i < S and row[i] == row[start]:
-                continue
-            if row[start] >= 0:
-                sl = slice(start, i)
-                q, k, v = query[b : b + 1, :, sl], key[b : b + 1, :, sl], value[b : b + 1, :, sl]
-                block = allowed[b : b + 1, :, sl, sl]
-                if sinks is not None:
-                    from flexpack._attention_sinks import dense_sink_attention
+    attend = None
+    if sinks is not None:
+        from flexpack._attention_sinks import dense_sink_attention
 
-                    piece = dense_sink_attention(q, k, v, block, sinks, scale=scale,
-                                                 softcap=softcap)  # fmt: skip
-                else:
-                    piece = dense_sdpa(q, k, v, block, scale=scale, enable_gqa=gqa,
-                                       softcap=softcap)  # fmt: skip
-                out = out.index_copy(2, torch.arange(start, i, device=out.device), piece)
-            start = i
-        outs.append(out)
-    return torch.cat(outs, dim=0)
+        def attend(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor) -> Tensor:
+            return dense_sink_attention(q, k, v, allowed, sinks, scale=scale, softcap=softcap)
+
+    return per_document_sdpa(
+        query, key, value, doc_ids, causal=False, scale=scale,
+        enable_gqa=key.shape[1] != query.shape[1], softcap=softcap, mask_mod=rule, attend=attend,
+    )  # fmt: skip
 
 
 def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None) -> dict[str, Any]:
