@@ -372,9 +372,10 @@ SEAMS = """
 - **Not reachable from the model's forward**: a model that calls neither the attention nor the
   mask interface (pure SSMs such as Mamba; GPT-1, XLM and CPM-Ant, whose attention is their own
   code) never runs flexpack code during its forward, and transformers offers no per-model seam
-  that does. `packed_forward_kwargs(batch, model=model)` (and flexpack's trainers, which know
-  their model) adapt or refuse them before the call; a bare `model(**packed_forward_kwargs(batch))`
-  cannot, and is marked "without `model=`" above.
+  that does. `packed_forward_kwargs(batch, model=model)`, `packed_causal_lm_loss(model, batch)`
+  (also on a collator's batch made without the model) and flexpack's trainers, which know
+  their model, adapt or refuse them before the call; a bare
+  `model(**packed_forward_kwargs(batch))` cannot, and is marked "without `model=`" above.
 - **A causal mask for layers whose `is_causal` is False**: PaliGemma's Gemma (and any config
   with `use_bidirectional_attention=True` whose model still calls `create_causal_mask`) marks
   its layers non-causal, yet the model builds a causal mask and eager follows the mask. The

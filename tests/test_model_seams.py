@@ -63,6 +63,46 @@ def test_model_kwarg_refuses_a_model_with_its_own_attention():
         packed_forward_kwargs(_batch(model), model=model)
 
 
+def test_the_loss_helper_prepares_the_model_a_collator_never_saw():
+    """A Trainer batch is made without the model (a collator's ``packed_forward_kwargs(batch)``);
+    packed_causal_lm_loss knows the model, so it adapts a Mamba and refuses GPT-1 itself."""
+    from flexpack.integrations.transformers import packed_causal_lm_loss
+
+    model, reference = _zoo.build("mamba")
+    batch = _batch(model)
+    kwargs = packed_forward_kwargs(batch, labels=True)  # no model=: what a collator makes
+    got = packed_causal_lm_loss(model, kwargs)
+    assert mixers.is_adapted(model.backbone.layers[0].mixer)
+    with torch.no_grad():
+        alone = torch.cat(
+            [reference(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
+             for a, b in _zoo._spans(batch.doc_ids[0])]
+        )  # fmt: skip
+    real = batch.doc_ids[0] >= 0
+    want = flexpack.packed_cross_entropy(alone[None], batch.labels[:, real], batch.doc_ids[:, real])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    gpt, _ = _zoo.build("openai-gpt")
+    with pytest.raises(ValueError, match="own_attention"):
+        packed_causal_lm_loss(gpt, packed_forward_kwargs(_batch(gpt), labels=True))
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "lfm2"])
+def test_the_loss_helper_reads_this_calls_documents_not_the_last_forwards(model_type):
+    """packed_causal_lm_loss runs the backbone alone; its mixers must see this call's documents,
+    not those the model's own forward saw last (another layout)."""
+    from flexpack.integrations.transformers import packed_causal_lm_loss
+
+    model, _ = _zoo.build(model_type)
+    batch = _batch(model)
+    other = flexpack.pack_sequences([batch.input_ids[0, :5], batch.input_ids[0, 5:37]], 40)
+    model(**packed_forward_kwargs(other, model=model))  # the last forward: another layout
+    got = packed_causal_lm_loss(model, packed_forward_kwargs(batch, labels=True))
+    with torch.no_grad():
+        logits = model(**packed_forward_kwargs(batch, model=model)).logits
+    want = flexpack.packed_cross_entropy(logits, batch.labels, batch.doc_ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_paligemma_without_token_types_is_causal_as_on_eager():
     """PaliGemma's text config has use_bidirectional_attention=True (its layers' is_causal is
     False) but, without token_type_ids, the model builds a causal mask; packed rows follow it."""

@@ -390,6 +390,9 @@ def packed_causal_lm_loss(
             "wrapper's own forward. Pass model.module inside a forward the wrapper runs, or train "
             "without the wrapper (FSDP2's fully_shard keeps the model itself: pass it)."
         )
+    # The model is known here, even when the inputs came from a collator that never saw it:
+    # adapt its mixers, refuse what cannot be exact (pure SSMs, GPT-1 / XLM / CPM-Ant).
+    _prepare(model)
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT
     backbone = getattr(inner, "base_model", None)
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None

@@ -37,6 +37,7 @@ from __future__ import annotations
 import inspect
 import warnings
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,23 +114,56 @@ class _Call:
 
 
 class _Adapted:
+    """The hooks that give an adapted model's mixers the document sources of each call.
+
+    A pre-hook on the model reads its forward's arguments. Code that runs the backbone alone
+    (``model.base_model(**kwargs)``, as ``packed_causal_lm_loss`` does to skip the logits)
+    never enters the model's forward, so the backbone gets a pre-hook too; it reads its own
+    arguments only when the model's forward is not running (inside it, the model's arguments
+    stand: its doc_ids may not be passed down)."""
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.call = _Call()
         self.modules: list[torch.nn.Module] = []
-        self.hook = model.register_forward_pre_hook(self._capture, with_kwargs=True)
-        try:
-            self.signature = inspect.signature(model.forward)
-        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-            self.signature = None
+        self.outer_running = False
+        self.hooks = [
+            model.register_forward_pre_hook(self._capture_for(model, outer=True), with_kwargs=True),
+            model.register_forward_hook(self._leave, always_call=True),
+        ]
+        backbone = getattr(model, "base_model", None)
+        if isinstance(backbone, torch.nn.Module) and backbone is not model:
+            self.hooks.append(
+                backbone.register_forward_pre_hook(
+                    self._capture_for(backbone, outer=False), with_kwargs=True
+                )
+            )
 
-    def _capture(self, model, args, kwargs):
-        sources = dict(kwargs)
-        if args and self.signature is not None:
-            try:
-                sources = dict(self.signature.bind_partial(*args, **kwargs).arguments)
-            except TypeError:
-                pass
-        self.call.sources = {k: sources.get(k) for k in _SOURCES}
+    def _capture_for(self, module: torch.nn.Module, *, outer: bool) -> Callable:
+        try:
+            signature = inspect.signature(module.forward)
+        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+            signature = None
+
+        def capture(_module, args, kwargs):
+            if not outer and self.outer_running:
+                return
+            self.outer_running = outer
+            sources = dict(kwargs)
+            if args and signature is not None:
+                try:
+                    sources = dict(signature.bind_partial(*args, **kwargs).arguments)
+                except TypeError:
+                    pass
+            self.call.sources = {k: sources.get(k) for k in _SOURCES}
+
+        return capture
+
+    def _leave(self, *_: Any) -> None:
+        self.outer_running = False
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
 
 def _towers(model: torch.nn.Module) -> set[int]:
@@ -217,7 +251,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`adapt`: the mixers' class forwards and no pre-hook again. Returns ``model``."""
     state = _models.pop(model, None)
     if state is not None:
-        state.hook.remove()
+        state.remove()
         for module in state.modules:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_flexpack_room", None)
