@@ -256,12 +256,6 @@ def test_model_packed_equals_documents_alone(kind):
             torch.testing.assert_close(p.grad, ref[name].grad, rtol=1e-3, atol=1e-4)
 
 
-def _loss(logits, labels):
-    return torch.nn.functional.cross_entropy(
-        logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
-
-
 def test_position_ids_alone_and_restore():
     """DataCollatorWithFlattening rows (restarting position_ids, no doc_ids) on a model whose
     decoder layer forwards nothing to its mixer (Jamba): the pre-hook's sources; restore()."""
@@ -283,7 +277,33 @@ def test_position_ids_alone_and_restore():
     assert not torch.allclose(leaked, out, atol=1e-5)  # the class forward again: it leaks
 
 
-@pytest.mark.parametrize("kind", ["gated_delta_rule", "short_conv", "mamba2"])
+def test_plan_sees_writes_the_version_counter_misses_and_inference_tensors():
+    """The per-call plan is cached on the call's tensors: a new layout written into the same
+    doc_ids / position_ids through numpy must be seen, and inference tensors (no version
+    counter) must work."""
+    from flexpack.integrations.transformers import register
+
+    model = fm.adapt(_model("short_conv", register()))
+    batch, docs = _rows(64)
+    doc_ids, position_ids = batch.doc_ids.clone(), batch.position_ids.long().clone()
+    with torch.no_grad():
+        model(input_ids=batch.input_ids, doc_ids=doc_ids, position_ids=position_ids)
+        whole = torch.cat(docs)  # the row's tokens as one document, written through numpy
+        doc_ids.numpy()[0, : len(whole)] = 0
+        position_ids.numpy()[0, : len(whole)] = range(len(whole))
+        got = model(input_ids=batch.input_ids, doc_ids=doc_ids, position_ids=position_ids)
+        want = _model("short_conv")(input_ids=whole[None], use_cache=False).logits[0]
+    torch.testing.assert_close(got.logits[0, : len(whole)], want, rtol=0, atol=1e-4)
+    with torch.inference_mode():
+        batch, docs = _rows(64)  # inference tensors
+        out = model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=False).logits
+        reference = _model("short_conv")
+        for (b, a, e), doc in zip(_spans(batch.doc_ids), docs, strict=True):
+            want = reference(input_ids=doc[None], use_cache=False).logits[0]
+            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
 def test_generate_matches_unadapted(kind):
     """generate() with a cache, left-padded prompts: the same tokens as the plain model."""
     from flexpack.integrations.transformers import register

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack._tensor_cache import all_match, stamps
 from flexpack.mixers import conv, delta, linear, ssm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, uses_kernels
@@ -82,6 +83,7 @@ class _Call:
     def __init__(self) -> None:
         self.sources: dict[str, Any] = {}
         self.plan_key: tuple | None = None
+        self.stamped: tuple | None = None
         self.plans: dict[float, DocumentPlan] = {}  # by the room's pad factor
 
     def plan_for(
@@ -100,13 +102,15 @@ class _Call:
             position_ids = None  # not this sequence's positions
         if padding is not None and padding.shape[-1] < S:
             padding = None
-        tensors = (doc_ids, seq_idx, position_ids, padding)
-        key = (B, S, *((id(t), t._version) if isinstance(t, Tensor) else None for t in tensors))
-        if key != self.plan_key:
+        tensors = tuple(t if isinstance(t, Tensor) else None for t in
+                        (doc_ids, seq_idx, position_ids, padding))  # fmt: skip
+        # Stamps, not (id, _version): they see writes through numpy and .data, and inference
+        # tensors (no version counter) too.
+        if self.plan_key != (B, S) or not all_match(self.stamped, tensors):
             self.ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
             self.plans = {}
-            self.plan_key = key
-            self.keep = tensors  # hold them: their ids stay theirs while the plan is cached
+            self.plan_key = (B, S)
+            self.stamped = stamps(tensors)
         plan = self.plans.get(pad_factor)
         if plan is None:
             plan = self.plans[pad_factor] = DocumentPlan.from_doc_ids(self.ids, pad_factor)
