@@ -8,6 +8,8 @@ attention); errors against the message a user needs.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -334,7 +336,9 @@ def test_readme_offers_the_quick_demo_and_says_how_long_things_take():
 
     text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
     assert "flexpack demo --docs 64" in text
-    assert "4 minutes idle" in text and "45 minutes on a busy machine" in text
+    assert (
+        re.search(r"takes about \d+ minutes idle", text) and "45 minutes on a busy machine" in text
+    )
 
 
 def test_stamps_of_cuda_tensors_make_no_host_sync(fake_cuda):
