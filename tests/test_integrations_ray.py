@@ -26,7 +26,20 @@ def local_ray():
         ray.shutdown()
 
 
-def test_global_plan_rows_match_materialize_and_errors(local_ray):
+@pytest.fixture
+def sort_shuffle(local_ray):
+    """Ray's sort-based shuffle for one test: its tasks reuse the warm workers, where the default
+    hash shuffle starts aggregator actors per pipeline (~10 s each here). The rows do not depend
+    on the strategy; the null-labels test below keeps Ray's default."""
+    from ray.data.context import ShuffleStrategy
+
+    ctx = ray.data.DataContext.get_current()
+    before, ctx.shuffle_strategy = ctx.shuffle_strategy, ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+    yield
+    ctx.shuffle_strategy = before
+
+
+def test_global_plan_rows_match_materialize_and_errors(sort_shuffle):
     rng = np.random.default_rng(0)
     lengths = rng.integers(1, 33, size=120)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
