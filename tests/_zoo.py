@@ -36,6 +36,7 @@ SIZES: dict[str, Any] = {
     "num_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "rotary_dim": 8,  # GPT-J, CodeGen: rotary part of the 16-wide heads (64 by default)
     "attention_head_dim": 16,
     "global_head_dim": 16,
     "num_experts": 4,
@@ -89,12 +90,16 @@ SIZES: dict[str, Any] = {
     "conv_L_cache": 3,
     "block_size": SMALL,
     "num_nextn_predict_layers": 0,
+    "vocab_size_per_layer_input": 128,  # Gemma 3n / 4's per-layer embeddings
+    "hidden_size_per_layer_input": 16,
     "encoder_hash_byte_group_vocab": 512,  # BLT's hash embeddings (500,002 rows by default)
     "initializer_range": 0.1,  # large enough that a leak between documents shows
     "attention_dropout": 0.0,
     "hidden_dropout": 0.0,
     "dropout": 0.0,
 }
+# Per-layer overrides (Gemma 4's wider global layers): wider than SIZES, as in the real configs.
+PER_LAYER_SIZES: dict[str, Any] = {"head_dim": 32, "global_head_dim": 32}
 # Windows and chunks: set where the config has one (not None), so they are shorter than documents.
 WINDOWS = ("sliding_window", "attention_chunk_size", "attention_window_size")
 # Families whose default config hides a kind of layer they ship with (e.g. LFM2's default has
@@ -110,7 +115,19 @@ PATTERNS: dict[str, dict[str, Any]] = {
         "expert_layer_offset": 1,
     },
     "bamba": {"num_hidden_layers": 2, "attn_layer_indices": [1]},
-    "zamba2": {"num_hidden_layers": 2, "hybrid_layer_ids": [1]},
+    "zamba2": {
+        "num_hidden_layers": 2,
+        "layers_block_type": ["linear_attention", "hybrid"],  # mamba2, then shared attention
+        "hybrid_layer_ids": [1],
+        "attention_hidden_size": 128,  # derived at init (2 x hidden), kept by to_dict
+        "attention_head_dim": 32,
+        "mamba_headdim": 16,  # mamba_expand x hidden / n_mamba_heads
+        "kv_channels": 16,
+        "num_query_groups": 4,
+        "adapter_rank": 8,
+    },
+    "rwkv": {"num_hidden_layers": 2, "attention_hidden_size": 64},  # its init divides by L - 1
+    "xlstm": {"num_hidden_layers": 2, "num_blocks": 2, "embedding_dim": 64},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "num_hidden_layers": 2},
     # configs whose width and depth go by other names (each took 23-61 s at default size)
@@ -121,6 +138,17 @@ PATTERNS: dict[str, dict[str, Any]] = {
         "moe_topk": 2,
     },
     "xlm": {"emb_dim": 64, "n_layers": 2},
+}
+
+# Sub-configs that need more than SIZES, merged in last (the per-layer reduction still runs):
+# Qwen2-VL's text config has no mrope_section (the model's default, [16, 24, 24], fits head dim
+# 128, not 16), and its vision tower's depth and widths go by names of their own (at default
+# size it took 35 s and 2.6 GB to build).
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "qwen2_vl_text": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+    "qwen2_5_vl_text": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
+    "qwen2_vl_vision": {"depth": 2, "embed_dim": 64},
+    "qwen2_5_vl_vision": {"depth": 2, "out_hidden_size": 64, "fullatt_block_indexes": [1]},
 }
 
 
@@ -149,6 +177,17 @@ def _shrink(d: dict[str, Any], model_type: str | None) -> dict[str, Any]:
     for key in WINDOWS:
         if d.get(key) is not None:
             d[key] = SMALL
+    # None that means "derive it from the default widths" (Ministral, HunYuan, Nemotron), not off
+    for key in ("head_dim", "num_key_value_heads"):
+        if key in d and d[key] is None:
+            d[key] = SIZES[key]
+    experts = ("n_routed_experts", "num_experts", "num_local_experts")
+    if (
+        "num_experts_per_tok" in d
+        and d["num_experts_per_tok"] is None
+        and any(isinstance(d.get(k), int) for k in experts)
+    ):  # DeepSeek-V2's default leaves its routed experts' top-k unset
+        d["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
     if isinstance(d.get("qk_rope_head_dim"), int) and "head_dim" in d:
         d["head_dim"] = d["qk_rope_head_dim"]  # MLA: the rotary part is the config's head_dim
     if isinstance(d.get("kv_lora_rank"), int) and "num_key_value_heads" in d:
@@ -181,12 +220,20 @@ def _shrink(d: dict[str, Any], model_type: str | None) -> dict[str, Any]:
         for key in ("mlp_only_layers", "moe_layers", "full_attn_idxs"):
             if isinstance(d.get(key), list):
                 d[key] = [j for j, i in enumerate(keep) if i in d[key]]
+        if isinstance(d.get("per_layer_config"), dict):  # Gemma 4: {"05": {"head_dim": 512}}
+            per = {int(k): v for k, v in d["per_layer_config"].items()}
+            d["per_layer_config"] = {
+                str(j): {k: PER_LAYER_SIZES.get(k, v) for k, v in per[i].items()}
+                for j, i in enumerate(keep) if i in per
+            }  # fmt: skip
     elif isinstance(L, int) and L == 1:
         pass
     _mamba_heads(d)
     rope = d.get("rope_parameters") or d.get("rope_scaling")
     if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
         rope["mrope_section"] = [2, 3, 3]  # mRoPE sections of head_dim 16: 16 / 2 rotary pairs
+    for key, value in OVERRIDES.get(model_type or "", {}).items():
+        d[key] = {**d[key], **value} if isinstance(d.get(key), dict) else value
     vocab = d.get("vocab_size")
     if isinstance(vocab, int):
         for key, value in list(d.items()):

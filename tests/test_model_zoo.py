@@ -69,6 +69,8 @@ KNOWN_LEAKS: dict[str, str] = {
     "cpmant": "its own attention code and masks: never calls the attention or mask interface",
     "openai-gpt": "its own attention code and masks: never calls the attention or mask interface",
     "xlm": "its own attention code and masks: never calls the attention or mask interface",
+    "rwkv": "its own recurrent (WKV) code: never calls the attention or mask interface",
+    "xlstm": "pure recurrent (mLSTM): never calls the attention or mask interface",
 }
 
 _results: dict[str, _zoo.Result] = {}
