@@ -216,10 +216,16 @@ def _shrink(d: dict[str, Any], model_type: str | None) -> dict[str, Any]:
         for f in fields:
             v = d[f]
             d[f] = "".join(v[i] for i in keep) if isinstance(v, str) else [v[i] for i in keep]
+            if f in SIZES and all(isinstance(x, int) for x in d[f]):
+                d[f] = [SIZES[f]] * len(keep)  # per-layer widths (Gemma 3n's intermediate_size)
         d["num_hidden_layers"] = len(keep)
         for key in ("mlp_only_layers", "moe_layers", "full_attn_idxs"):
             if isinstance(d.get(key), list):
                 d[key] = [j for j, i in enumerate(keep) if i in d[key]]
+        if isinstance(d.get("num_kv_shared_layers"), int) and d["num_kv_shared_layers"] > 0:
+            # Gemma 3n / 4 reuse the K/V of earlier layers in their last layers: keep the
+            # sharing, with producers and users of each kind in the kept layers
+            d["num_kv_shared_layers"] = len(keep) // 2
         if isinstance(d.get("per_layer_config"), dict):  # Gemma 4: {"05": {"head_dim": 512}}
             per = {int(k): v for k, v in d["per_layer_config"].items()}
             d["per_layer_config"] = {
