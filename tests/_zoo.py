@@ -156,6 +156,11 @@ class Unbuildable(Exception):
     """The model type's tiny config or model cannot be built offline (the reason says why)."""
 
 
+class NoAttentionSeam(Exception):
+    """transformers itself cannot build the model with a registered attention function: its
+    layers pick their attention class from a fixed dict (``KeyError: 'flexpack'``)."""
+
+
 def _per_layer_fields(d: dict[str, Any], L: int) -> list[str]:
     return [
         k
@@ -320,6 +325,10 @@ def build(model_type: str):
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 built.append(auto.from_config(config, dtype=torch.float32).eval())
+        except KeyError as e:
+            if e.args != (implementation,) or implementation == "eager":
+                raise Unbuildable(f"model: KeyError: {_first_line(e)}") from e
+            raise NoAttentionSeam(f"KeyError: {_first_line(e)}") from e
         except Exception as e:
             raise Unbuildable(f"model: {type(e).__name__}: {_first_line(e)}") from e
     reference, model = built
@@ -356,6 +365,8 @@ def check(model_type: str) -> Result:
         model, reference = build(model_type)
     except Unbuildable as e:
         return Result("skipped", str(e))
+    except NoAttentionSeam as e:
+        return _without_seam(model_type, str(e))
     kinds = mixer_kinds(model)
     batch = flexpack.pack_sequences(samples(model.config.get_text_config().vocab_size), MAX_LEN)
     spans = _spans(batch.doc_ids[0])
@@ -371,12 +382,37 @@ def check(model_type: str) -> Result:
     return Result(status, detail, kinds, without[0])
 
 
+def _without_seam(model_type: str, error: str) -> Result:
+    """A model transformers cannot load with flexpack's attention (loud: its own KeyError at
+    construction). The same model loaded as users can (eager) must then be refused by
+    ``packed_forward_kwargs(batch, model=model)``: a ValueError, never a silent leak."""
+    from flexpack.integrations.transformers import packed_forward_kwargs
+
+    config = tiny_config(model_type, "eager")
+    torch.manual_seed(0)
+    model = _auto_class(model_type).from_config(config, dtype=torch.float32).eval()
+    batch = flexpack.pack_sequences(samples(config.get_text_config().vocab_size), MAX_LEN)
+    spans = _spans(batch.doc_ids[0])
+    with torch.no_grad():
+        alone = [model(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
+                 for a, b in spans]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "its attention is not flexpack's": the refusal follows
+        status, detail = _run(model, packed_forward_kwargs, batch, spans, alone, model)
+    detail = (
+        f"{detail}; transformers itself raises {error} at "
+        "construction with any registered attention, so run loaded with eager"
+    )
+    return Result(status, detail, mixer_kinds(model), status)
+
+
 def _run(model, packed_forward_kwargs, batch, spans, alone, given) -> tuple[str, str]:
     try:
         with torch.no_grad():
             packed = model(**packed_forward_kwargs(batch, model=given)).logits
-    except ValueError as e:
-        return "refused", _first_line(e)
+    except ValueError as e:  # the refused mixers, whole (without the advice that follows)
+        text = " ".join(str(e).split())
+        return "refused", text.split("others): ", 1)[-1].split(". Run this model", 1)[0]
     except Exception as e:
         return "error", f"{type(e).__name__}: {_first_line(e)}"
     worst = max(
@@ -460,7 +496,10 @@ def table(
         "**exact** means every "
         f"document's logits equal the document alone under `eager` (fp32, {ATOL:g}); "
         "**refused** means the first forward raises a ValueError naming what flexpack cannot "
-        "keep exact yet. A silent difference fails CI. The same row also runs through "
+        "keep exact yet (a family transformers cannot build with any registered attention, "
+        "its own `KeyError` at construction, is run loaded with `eager`: "
+        "`packed_forward_kwargs(batch, model=model)` must refuse it). "
+        "A silent difference fails CI. The same row also runs through "
         "`packed_forward_kwargs(batch)` without `model=`: every family gives the same verdict "
         "there except the few whose forward never reaches flexpack's attention or mask "
         "function, marked below (pass `model=` for them).",
@@ -473,8 +512,6 @@ def table(
     for name in sorted(results, key=lambda n: (order[results[n].status], n)):
         r = results[name]
         detail = r.detail.replace("|", "\\|")
-        if r.status == "refused":
-            detail = detail.split("others): ", 1)[-1]
         if name in known:
             detail = f"{detail}; without `model=`: {r.without_model} ({known[name]})"
         mixers = ", ".join(r.mixers) or "attention"

@@ -204,7 +204,8 @@ for _kind in reversed(
                   "the short convolution's window runs across document boundaries"),
         MixerKind("linear_recurrence",
                   lambda m: _recurrent_fallback(m)
-                  or _name_has("RecurrentBlock", "Rglru", "Rwkv", "xLSTM")(m),
+                  or (_name_has("RecurrentBlock", "Rglru", "Rwkv", "xLSTMBackend", "mLSTM",
+                                "sLSTM")(m) and not _norm(m)),
                   False, "a recurrent state runs across document boundaries"),
         MixerKind("causal_conv", _depthwise_causal_conv, False,
                   "a causal convolution's window runs across document boundaries"),
