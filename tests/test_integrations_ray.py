@@ -30,7 +30,7 @@ def local_ray():
 def sort_shuffle(local_ray):
     """Ray's sort-based shuffle for one test: its tasks reuse the warm workers, where the default
     hash shuffle starts aggregator actors per pipeline (~10 s each here). The rows do not depend
-    on the strategy; the null-labels test below keeps Ray's default."""
+    on the strategy; the null-labels test below runs one pipeline under each."""
     from ray.data.context import ShuffleStrategy
 
     ctx = ray.data.DataContext.get_current()
@@ -91,15 +91,26 @@ def test_a_null_labels_row_is_labelled_by_its_tokens(local_ray):
     labels = [[-100, 2, 3], None, None, None, [-100, 12, 13], [-100]]
     explicit = [ids[i] if lab is None else lab for i, lab in enumerate(labels)]
 
-    # The reference: the same plan materialized with the null rows' labels written out (one Ray
-    # pipeline per mode: each costs ~10 s of Ray's shuffle set-up).
+    # The reference: the same plan materialized with the null rows' labels written out. One Ray
+    # pipeline per mode: the unpadded one under Ray's default (hash) shuffle, as users run it, the
+    # padded one under the sort shuffle (the rows do not depend on it; the hash shuffle's actors
+    # cost ~10 s per pipeline here).
     ref = pack([len(s) for s in ids], 8).materialize(
         [{"input_ids": s, "labels": lab} for s, lab in zip(ids, explicit, strict=True)]
     )
     items = [{"input_ids": s, "labels": lab} for s, lab in zip(ids, labels, strict=True)]
     ds = ray.data.from_items(items).repartition(3)
-    for padded in (False, True):
-        rows = sorted(pack_ray_dataset(ds, 8, padded=padded).take_all(), key=lambda r: r["row"])
+    from ray.data.context import ShuffleStrategy
+
+    ctx = ray.data.DataContext.get_current()
+    default = ctx.shuffle_strategy
+    for padded, strategy in ((False, default), (True, ShuffleStrategy.SORT_SHUFFLE_PULL_BASED)):
+        ctx.shuffle_strategy = strategy
+        try:
+            out = pack_ray_dataset(ds, 8, padded=padded).take_all()
+        finally:
+            ctx.shuffle_strategy = default
+        rows = sorted(out, key=lambda r: r["row"])
         want = [
             row[: int(n)] if not padded else row
             for row, n in zip(ref.labels.tolist(), (ref.doc_ids >= 0).sum(1), strict=True)

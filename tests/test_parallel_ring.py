@@ -1,4 +1,4 @@
-"""The ring (pass-KV) schedule of context_parallel_attention under gloo at 2, 4 and 8 CPU
+"""The ring (pass-KV) schedule of context_parallel_attention under gloo at 2 and 4 CPU
 processes: each rank's output and its q, k, v gradients equal single-process flexpack.attention
 on the full rows at that rank's positions (float64 to 1e-9, float32 to 1e-5; GQA, softcap and
 the non-causal document mask too), the stats say which schedule ran and how many bytes moved;
@@ -98,6 +98,8 @@ def _worker(rank: int, world: int, init_file: str, cases: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world, cases", [(2, "all"), (4, "all"), (8, "dtypes")])
+# 4 ranks already pass k, v through every hop kind (first, middle, last); 8 processes on CI's
+# 2 cores cost 25 s for no new schedule.
+@pytest.mark.parametrize("world, cases", [(2, "all"), (4, "all")])
 def test_ring_attention_is_exact_across_gloo_ranks(world, cases, tmp_path) -> None:
     mp.spawn(_worker, args=(world, str(tmp_path / "init"), cases), nprocs=world, join=True)

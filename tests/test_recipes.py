@@ -247,7 +247,9 @@ def test_sft_recipe_bf16_losses_per_document_equal_each_sample_alone(sft):
 
 
 def test_sft_recipe_fp32_loss_curve_equals_unpacked_training(sft):
-    args = dataclasses.replace(sft["sft_args"], bf16=False, output_dir="out/sft32")
+    # 8 of the recipe's 20 steps: fp32 agreement to 1e-5 after 8 optimizer steps already rules
+    # out a leak (the recipe block itself, bf16, trains all 20); each step is ~1 s per trainer here
+    args = dataclasses.replace(sft["sft_args"], bf16=False, output_dir="out/sft32", max_steps=8)
     runs = {}
     for name, cls, attn in (
         ("packed", trl.SFTTrainer, sft["register"]()),
@@ -264,7 +266,7 @@ def test_sft_recipe_fp32_loss_curve_equals_unpacked_training(sft):
     curves = [
         [h["loss"] for h in t.state.log_history if "loss" in h] for t in runs.values()
     ]  # fmt: skip
-    assert len(curves[0]) == 20
+    assert len(curves[0]) == 8
     assert max(abs(a - b) for a, b in zip(*curves, strict=True)) < FP32
     assert max_param_diff(runs["packed"].model, runs["unpacked"].model) < FP32
 
