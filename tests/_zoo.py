@@ -149,6 +149,29 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "qwen2_5_vl_text": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
     "qwen2_vl_vision": {"depth": 2, "embed_dim": 64},
     "qwen2_5_vl_vision": {"depth": 2, "out_hidden_size": 64, "fullatt_block_indexes": [1]},
+    # defaults that do not build (None where a number is needed) or a layer list to keep whole
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 2,
+    },
+    "zamba": {
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,  # the shared block, twice
+        "attention_hidden_size": 128,
+        "mamba_dt_rank": 4,
+    },
+    "cohere_compass_text": {
+        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    },
+    "xlnet": {"d_head": 16, "n_layer": 2, "d_inner": 128},
+    "zaya": {"num_experts_per_tok": 1},
 }
 
 
@@ -454,7 +477,7 @@ SEAMS = """
 - **Refusals** (`flexpack/integrations/_mixers_check.py`): run at the first forward from the
   attention or mask function, on the model found on the call stack; token mixers are told by
   module kind (class-name parts such as `GatedDeltaNet`, `Mamba`, `ShortConv`, `Indexer`,
-  `Compressor`, parameters such as `A_log`, `sinks`, depthwise causal `Conv1d`s) and by
+  `Compressor`, parameters such as `A_log`, `sinks`, `Conv1d`s wider than one token) and by
   transformers' own `_can_set_attn_implementation()`. A renamed mixer class would fall through
   to the broad kinds (`linear_recurrence`, `causal_conv`) or, if it matches none, show up here
   as a new leak.

@@ -69,6 +69,7 @@ KNOWN_LEAKS: dict[str, str] = {
     "cpmant": "its own attention code and masks: never calls the attention or mask interface",
     "openai-gpt": "its own attention code and masks: never calls the attention or mask interface",
     "xlm": "its own attention code and masks: never calls the attention or mask interface",
+    "xlnet": "its own attention code and masks: never calls the attention or mask interface",
     "rwkv": "its own recurrent (WKV) code: never calls the attention or mask interface",
     "xlstm": "pure recurrent (mLSTM): never calls the attention or mask interface",
 }
@@ -179,3 +180,19 @@ def test_model_built_with_flexpack_in_its_config_is_refused_too():
     batch = flexpack.pack_sequences(_zoo.samples(128), _zoo.MAX_LEN)
     with pytest.raises(ValueError, match="own_attention"), torch.no_grad():
         model(**packed_forward_kwargs(batch))
+
+
+def test_a_conv_the_model_pads_itself_is_refused():
+    """ZAYA pads its q/k convolutions with F.pad and builds them with padding=0: the window
+    still runs across documents, so any Conv1d wider than one token is refused (not only
+    those padded by the module, as Mamba's)."""
+
+    class Projection(torch.nn.Module):  # ZAYA's CCA projection, reduced to its conv
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv1d(8, 8, kernel_size=2, groups=4, padding=0)
+
+    model = torch.nn.Sequential(Projection(), torch.nn.Conv1d(8, 8, kernel_size=1))
+    assert _mixers_check.mixers_of(model) == [("0.conv", "causal_conv")]  # 1-wide: a Linear
+    with pytest.raises(ValueError, match=r"causal_conv \(Conv1d at `0.conv`\)"):
+        _mixers_check.check(model)

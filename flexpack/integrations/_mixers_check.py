@@ -112,13 +112,11 @@ def _name_has(*parts: str) -> Callable[[torch.nn.Module], bool]:
     return lambda m: not _container(m) and any(p in _name(m).lower() for p in lowered)
 
 
-def _depthwise_causal_conv(m: torch.nn.Module) -> bool:
-    """A Conv1d over the sequence with one filter per channel, padded on the left (a causal
-    conv of a recurrent or short-conv mixer)."""
-    if not isinstance(m, torch.nn.Conv1d):
-        return False
-    k = m.kernel_size[0]
-    return k > 1 and m.groups == m.in_channels and m.padding[0] == k - 1
+def _sequence_conv(m: torch.nn.Module) -> bool:
+    """A Conv1d wider than one token: in a decoder-only LM's layers (towers are left out) it runs
+    over the sequence, whether padded by the module (Mamba's conv1d) or by the model's code (ZAYA's
+    q/k convolutions, padded with ``F.pad`` and ``padding=0``)."""
+    return isinstance(m, torch.nn.Conv1d) and m.kernel_size[0] > 1
 
 
 def _has_param(name: str) -> Callable[[torch.nn.Module], bool]:
@@ -207,7 +205,7 @@ for _kind in reversed(
                   or (_name_has("RecurrentBlock", "Rglru", "Rwkv", "xLSTMBackend", "mLSTM",
                                 "sLSTM")(m) and not _norm(m)),
                   False, "a recurrent state runs across document boundaries"),
-        MixerKind("causal_conv", _depthwise_causal_conv, False,
+        MixerKind("causal_conv", _sequence_conv, False,
                   "a causal convolution's window runs across document boundaries"),
         MixerKind("sparse_indexer", _name_has("Indexer"), False,
                   "a lightning indexer picks each query's keys by its own scores over the row "
