@@ -10,8 +10,9 @@ packed rows:
 - ``flexpack``: ``attn_implementation=register()`` with ``packed_forward_kwargs`` (the mixers
   adapted, run per group of documents; attention per document).
 
-Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (about 1 minute on a quiet 2-core CPU). Prints a
-markdown table; the ratio is own / flexpack (above 1: flexpack faster).
+Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (about 1 minute on a quiet 2-core CPU; a word
+after it keeps only the families whose name has it, e.g. ``ZAYA``). Prints a markdown table;
+the ratio is own / flexpack (above 1: flexpack faster).
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ FAMILIES = {  # kind: (config class, kwargs)
         num_local_experts=1, num_experts_per_tok=1)),
     "short_conv (LFM2)": ("Lfm2Config", dict(
         layer_types=["conv", "full_attention"], full_attn_idxs=[1], conv_L_cache=3)),
+    "cca_projection (ZAYA)": ("ZayaConfig", dict(
+        layer_types=["hybrid", "hybrid"], num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=64, router_hidden_size=32, cca_time0=2, cca_time1=2)),
 }  # fmt: skip
 ROWS, MAX_LEN = 2, 512
 REPEATS = 3
@@ -105,7 +109,8 @@ def main() -> None:
     print("|---|---|---|---|")
     own_kwargs = {"input_ids": batch.input_ids.long(), "position_ids": batch.position_ids.long(),
                   "use_cache": False}  # fmt: skip
-    for kind in FAMILIES:
+    only = sys.argv[1] if len(sys.argv) > 1 else ""
+    for kind in [k for k in FAMILIES if only in k]:
         own = _step_time(_model(kind, "sdpa"), own_kwargs)
         ours = _step_time(_model(kind, register()), packed_forward_kwargs(batch))
         print(f"| {kind} | {own:.3f} | {ours:.3f} | {own / ours:.2f}x |", flush=True)

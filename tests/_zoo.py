@@ -402,7 +402,8 @@ def check(model_type: str) -> Result:
     # Without model= first (the model= call adapts the model's mixers), then with it.
     without = _run(model, packed_forward_kwargs, batch, spans, alone, None)
     status, detail = _run(model, packed_forward_kwargs, batch, spans, alone, model)
-    return Result(status, detail, kinds, without[0])
+    # the kinds once adapted: a mixer flexpack.mixers adapts shows its room's name
+    return Result(status, detail, mixer_kinds(model), without[0])
 
 
 def _without_seam(model_type: str, error: str) -> Result:
@@ -563,6 +564,6 @@ def _mixer_rooms() -> list[str]:
         "|---|---|---|",
     ]
     for room in mixers.ROOMS:
-        found = ", ".join(f"`{f}`" for f in sorted(room.functions)) or "its decay buffers"
+        found = ", ".join(f"`{f}`" for f in sorted(room.functions)) or room.recognised_by
         lines.append(f"| {room.name} | {found} | {room.how} |")
     return lines

@@ -115,6 +115,21 @@ FAMILIES = {
         ),
         "conv",
     ),
+    "cca_projection": (  # ZAYA: q/k causal convs padded by the model, a one-token value delay
+        "ZayaConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            layer_types=["hybrid", "hybrid"],
+            num_experts=2,
+            num_experts_per_tok=1,
+            moe_intermediate_size=16,
+            router_hidden_size=16,
+            cca_time0=2,
+            cca_time1=3,
+        ),
+        "self_attn.qkv_proj",
+    ),
 }
 LENGTHS = (7, 11, 5)  # three documents, longer than the chunks, blocks and conv windows
 
@@ -200,23 +215,30 @@ def test_room_module_matches_each_document_alone_float64(kind):
     H = model.config.hidden_size
     g = torch.Generator().manual_seed(1)
     x = torch.randn(*batch.doc_ids.shape, H, generator=g, dtype=torch.float64)
-    extra = {}
+    extra = {"attention_mask": None}
     if kind == "lightning_attention":  # its forward takes the rotary tables (and ignores them)
         extra["position_embeddings"] = None
+    if kind == "cca_projection":  # (hidden_states, cache, conv_mask) -> (q, k, v), all per token
+        extra = {"cache": None}
+
+    def outputs(out):  # the per-token outputs the room merges back
+        if not isinstance(out, tuple):
+            return (out,)
+        return out if kind == "cca_projection" else out[:1]
+
     alone = {}
     with torch.no_grad():
         for b, a, e in _spans(batch.doc_ids):
-            out = mixer(x[b : b + 1, a:e], attention_mask=None, **extra)
-            alone[(b, a, e)] = out[0] if isinstance(out, tuple) else out
+            alone[(b, a, e)] = outputs(mixer(x[b : b + 1, a:e], **extra))
         fm.adapt(model)
         try:
-            out = mixer(x, attention_mask=None, doc_ids=batch.doc_ids, **extra)
+            out = outputs(mixer(x, doc_ids=batch.doc_ids, **extra))
         finally:
             fm.restore(model)
-    out = out[0] if isinstance(out, tuple) else out
     for (b, a, e), want in alone.items():
-        torch.testing.assert_close(out[b, a:e], want[0], rtol=0, atol=1e-10)
-    assert not out[batch.doc_ids < 0].any()  # padding gives zeros
+        for got, w in zip(out, want, strict=True):
+            torch.testing.assert_close(got[b, a:e], w[0], rtol=0, atol=1e-10)
+    assert not any(o[batch.doc_ids < 0].any() for o in out)  # padding gives zeros
     assert "forward" not in mixer.__dict__  # restored
 
 

@@ -16,7 +16,8 @@ model start each document afresh, per model instance and reversibly (:func:`rest
   decoder layer does not forward the call's keywords (Jamba).
 
 One room per kind: :mod:`~flexpack.mixers.delta` (gated delta rule, KDA),
-:mod:`~flexpack.mixers.ssm` (Mamba2, Mamba), :mod:`~flexpack.mixers.conv` (short convs),
+:mod:`~flexpack.mixers.ssm` (Mamba2, Mamba), :mod:`~flexpack.mixers.conv` (short convs, ZAYA's
+convolutional q/k/v projection),
 :mod:`~flexpack.mixers.linear` (lightning attention). Calls with a cache (``generate()``) run the
 module's own forward unchanged: a prompt is one document per row (packed rows with a cache are
 exact but leave the cache without their state, with a warning).
@@ -362,14 +363,12 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
         first, others = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         first = first.reshape(B, S, *first.shape[2:])
         return (first, *(None for _ in others)) if others is not None else first
-    pieces, others = [], None
-    for g in range(len(plan.groups)):
-        out = own(plan.split(x, g), **_take(rest, plan, g))
-        if isinstance(out, tuple):
-            out, others = out[0], len(out) - 1
-        pieces.append(out)
-    merged = plan.merge(pieces, x)
-    return (merged, *([None] * others)) if others is not None else merged
+    outs = [own(plan.split(x, g), **_take(rest, plan, g)) for g in range(len(plan.groups))]
+    if not isinstance(outs[0], tuple):
+        return plan.merge(outs, x)
+    if room.all_outputs:  # q, k, v: every output is per token
+        return tuple(plan.merge([o[i] for o in outs], outs[0][i]) for i in range(len(outs[0])))
+    return (plan.merge([o[0] for o in outs], x), *([None] * (len(outs[0]) - 1)))
 
 
 def _take(kwargs: dict[str, Any], plan: DocumentPlan, group: int | None) -> dict[str, Any]:

@@ -83,6 +83,10 @@ class Room:
         pad_factor: how much right padding a group of documents may carry (padded tokens over
             real ones) on the torch path: fewer, larger groups (fewer calls) against fewer
             padded tokens (see :mod:`flexpack.mixers._plan`).
+        recognised_by: for a room with ``matches``, what it looks for (the docs say it).
+        all_outputs: the module returns a tuple of per-token tensors (a q, k, v projection),
+            every one of them merged back; otherwise only the first output is (the others,
+            caches or states of the whole row, come back as None).
     """
 
     name: str
@@ -92,6 +96,8 @@ class Room:
     matches: Callable[[torch.nn.Module], bool] | None = None
     excludes: frozenset[str] = frozenset()
     pad_factor: float = PAD_FACTOR
+    recognised_by: str = ""
+    all_outputs: bool = False
 
     def owns(self, module: torch.nn.Module) -> bool:
         if self.matches is not None:

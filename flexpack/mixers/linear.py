@@ -20,6 +20,7 @@ def _lightning(module: torch.nn.Module) -> bool:
 LIGHTNING = Room(
     "lightning_attention",
     matches=_lightning,
+    recognised_by="its decay buffers (`slope_rate`, `decay_factors`)",
     how="the K^T V state restarts per document: documents run apart (torch; no kernel mapping)",
 )
 
