@@ -218,8 +218,9 @@ def test_room_module_matches_each_document_alone_float64(kind):
     extra = {"attention_mask": None}
     if kind == "lightning_attention":  # its forward takes the rotary tables (and ignores them)
         extra["position_embeddings"] = None
+    args = ()
     if kind == "cca_projection":  # (hidden_states, cache, conv_mask) -> (q, k, v), all per token
-        extra = {"cache": None}
+        extra, args = {}, (None,)  # the cache, positional: `past_key_values` on transformers 5.17
 
     def outputs(out):  # the per-token outputs the room merges back
         if not isinstance(out, tuple):
@@ -229,10 +230,10 @@ def test_room_module_matches_each_document_alone_float64(kind):
     alone = {}
     with torch.no_grad():
         for b, a, e in _spans(batch.doc_ids):
-            alone[(b, a, e)] = outputs(mixer(x[b : b + 1, a:e], **extra))
+            alone[(b, a, e)] = outputs(mixer(x[b : b + 1, a:e], *args, **extra))
         fm.adapt(model)
         try:
-            out = outputs(mixer(x, doc_ids=batch.doc_ids, **extra))
+            out = outputs(mixer(x, *args, doc_ids=batch.doc_ids, **extra))
         finally:
             fm.restore(model)
     for (b, a, e), want in alone.items():
