@@ -189,7 +189,7 @@ def test_plan_split_merge_round_trip(ids):
         assert len(ids) == 1 and -1 not in ids[0] and len(set(ids[0])) == 1
         return
     pieces = [plan.split(x, g) for g in range(len(plan.groups))]
-    back = plan.merge(pieces, x)
+    back = plan.merge(pieces)
     real = doc_ids >= 0
     assert torch.equal(back[real], x[real]) and not back[~real].any()
     # every group row holds one document from its start, zeros after it
@@ -241,6 +241,35 @@ def test_room_module_matches_each_document_alone_float64(kind):
             torch.testing.assert_close(got[b, a:e], w[0], rtol=0, atol=1e-10)
     assert not any(o[batch.doc_ids < 0].any() for o in out)  # padding gives zeros
     assert "forward" not in mixer.__dict__  # restored
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_room_keeps_the_mixers_dtype_under_autocast(kind):
+    """bf16 autocast over fp32 weights and inputs (how TRL trains): the adapted mixer returns
+    the dtype the plain one does (bf16), not its fp32 input's, with each document's values."""
+    model = _model(kind)
+    path = f"model.layers.0.{FAMILIES[kind][2]}"
+    mixer = model.get_submodule(path)
+    batch, _ = _rows(64, lengths=(7, 11, 5, 9), max_len=18)
+    x = torch.randn(*batch.doc_ids.shape, model.config.hidden_size)
+    args, extra = ((None,), {}) if kind == "cca_projection" else ((), {"attention_mask": None})
+    if kind == "lightning_attention":
+        extra["position_embeddings"] = None
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = {s: first(mixer(x[s[0] : s[0] + 1, s[1] : s[2]], *args, **extra))
+                 for s in _spans(batch.doc_ids)}  # fmt: skip
+        fm.adapt(model)
+        try:
+            out = first(mixer(x, *args, doc_ids=batch.doc_ids, **extra))
+        finally:
+            fm.restore(model)
+    assert out.dtype == next(iter(alone.values())).dtype == torch.bfloat16
+    for (b, a, e), want in alone.items():
+        torch.testing.assert_close(out[b, a:e], want[0], rtol=2e-2, atol=2e-2)
 
 
 # ----------------------------------------------------------------------------- whole models

@@ -365,10 +365,10 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
         return (first, *(None for _ in others)) if others is not None else first
     outs = [own(plan.split(x, g), **_take(rest, plan, g)) for g in range(len(plan.groups))]
     if not isinstance(outs[0], tuple):
-        return plan.merge(outs, x)
+        return plan.merge(outs)
     if room.all_outputs:  # q, k, v: every output is per token
-        return tuple(plan.merge([o[i] for o in outs], outs[0][i]) for i in range(len(outs[0])))
-    return (plan.merge([o[0] for o in outs], x), *([None] * (len(outs[0]) - 1)))
+        return tuple(plan.merge([o[i] for o in outs]) for i in range(len(outs[0])))
+    return (plan.merge([o[0] for o in outs]), *([None] * (len(outs[0]) - 1)))
 
 
 def _take(kwargs: dict[str, Any], plan: DocumentPlan, group: int | None) -> dict[str, Any]:

@@ -129,9 +129,10 @@ class DocumentPlan:
         out = flat[index]
         return out * valid.view(*valid.shape, *([1] * (x.dim() - 2))).to(out.dtype)
 
-    def merge(self, pieces: list[Tensor], like: Tensor) -> Tensor:
-        """Inverse of :meth:`split` over all groups: (B, S, ...) with zeros on the padding."""
-        flat = like.new_zeros(self.B * self.S, *pieces[0].shape[2:])
+    def merge(self, pieces: list[Tensor]) -> Tensor:
+        """Inverse of :meth:`split` over all groups: (B, S, ...) with zeros on the padding, in
+        the pieces' dtype (a mixer under autocast returns bf16 from fp32 inputs: so does this)."""
+        flat = pieces[0].new_zeros(self.B * self.S, *pieces[0].shape[2:])
         for (_, _, take, dest), piece in zip(self.groups, pieces, strict=True):
-            flat = flat.index_copy(0, dest, piece.flatten(0, 1)[take].to(flat.dtype))
+            flat = flat.index_copy(0, dest, piece.flatten(0, 1)[take])
         return flat.view(self.B, self.S, *pieces[0].shape[2:])
