@@ -394,9 +394,7 @@ def check(model_type: str) -> Result:
     batch = flexpack.pack_sequences(samples(model.config.get_text_config().vocab_size), MAX_LEN)
     spans = _spans(batch.doc_ids[0])
     try:  # the documents alone, under eager: the reference (a tiny config it cannot run is ours)
-        with torch.no_grad():
-            alone = [reference(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
-                     for a, b in spans]  # fmt: skip
+        alone = _alone(reference, batch, spans)
     except Exception as e:
         return Result("skipped", f"eager reference: {type(e).__name__}: {_first_line(e)}", kinds)
     # Without model= first (the model= call adapts the model's mixers), then with it.
@@ -417,9 +415,7 @@ def _without_seam(model_type: str, error: str) -> Result:
     model = _auto_class(model_type).from_config(config, dtype=torch.float32).eval()
     batch = flexpack.pack_sequences(samples(config.get_text_config().vocab_size), MAX_LEN)
     spans = _spans(batch.doc_ids[0])
-    with torch.no_grad():
-        alone = [model(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
-                 for a, b in spans]  # fmt: skip
+    alone = _alone(model, batch, spans)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "its attention is not flexpack's": the refusal follows
         status, detail = _run(model, packed_forward_kwargs, batch, spans, alone, model)
@@ -428,6 +424,13 @@ def _without_seam(model_type: str, error: str) -> Result:
         "construction with any registered attention, so run loaded with eager"
     )
     return Result(status, detail, mixer_kinds(model), status)
+
+
+def _alone(model, batch, spans) -> list[torch.Tensor]:
+    """The logits of each document of the row run alone."""
+    with torch.no_grad():
+        return [model(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
+                for a, b in spans]  # fmt: skip
 
 
 def _run(model, packed_forward_kwargs, batch, spans, alone, given) -> tuple[str, str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -26,17 +28,25 @@ def local_ray():
         ray.shutdown()
 
 
-@pytest.fixture
-def sort_shuffle(local_ray):
-    """Ray's sort-based shuffle for one test: its tasks reuse the warm workers, where the default
-    hash shuffle starts aggregator actors per pipeline (~10 s each here). The rows do not depend
-    on the strategy; the null-labels test below runs one pipeline under each."""
+@contextlib.contextmanager
+def _sort_shuffle():
+    """Ray's sort-based shuffle: its tasks reuse the warm workers, where the default hash
+    shuffle starts aggregator actors per pipeline (~10 s each here). The rows do not depend on
+    the strategy; the null-labels test below runs one pipeline under each."""
     from ray.data.context import ShuffleStrategy
 
     ctx = ray.data.DataContext.get_current()
     before, ctx.shuffle_strategy = ctx.shuffle_strategy, ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
-    yield
-    ctx.shuffle_strategy = before
+    try:
+        yield
+    finally:
+        ctx.shuffle_strategy = before
+
+
+@pytest.fixture
+def sort_shuffle(local_ray):
+    with _sort_shuffle():
+        yield
 
 
 def test_global_plan_rows_match_materialize_and_errors(sort_shuffle):
@@ -100,16 +110,9 @@ def test_a_null_labels_row_is_labelled_by_its_tokens(local_ray):
     )
     items = [{"input_ids": s, "labels": lab} for s, lab in zip(ids, labels, strict=True)]
     ds = ray.data.from_items(items).repartition(3)
-    from ray.data.context import ShuffleStrategy
-
-    ctx = ray.data.DataContext.get_current()
-    default = ctx.shuffle_strategy
-    for padded, strategy in ((False, default), (True, ShuffleStrategy.SORT_SHUFFLE_PULL_BASED)):
-        ctx.shuffle_strategy = strategy
-        try:
+    for padded, strategy in ((False, contextlib.nullcontext), (True, _sort_shuffle)):
+        with strategy():
             out = pack_ray_dataset(ds, 8, padded=padded).take_all()
-        finally:
-            ctx.shuffle_strategy = default
         rows = sorted(out, key=lambda r: r["row"])
         want = [
             row[: int(n)] if not padded else row

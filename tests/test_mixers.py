@@ -8,6 +8,7 @@ faked CUDA device with recording kernels (see tests/test_mixers_kernels.py).
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -205,37 +206,44 @@ def test_plan_split_merge_round_trip(ids):
 # ----------------------------------------------------------------------------- rooms, float64
 
 
-@pytest.mark.parametrize("kind", sorted(FAMILIES))
-def test_room_module_matches_each_document_alone_float64(kind):
-    model = _model(kind, dtype=torch.float64)
-    path = f"model.layers.0.{FAMILIES[kind][2]}"
-    mixer = model.get_submodule(path)
-    assert dict(fm.mixers_of(model))[path] == kind
+def _room_outputs(kind, dtype, outputs, context=contextlib.nullcontext):
+    """The room's mixer (first layer) on two packed rows, each document alone and then adapted
+    on the rows, under ``context()``: ``(model, mixer, batch, {(row, start, end): outputs
+    alone}, outputs on the rows)``; ``outputs(result)`` picks what to compare."""
+    model = _model(kind, dtype=dtype)
+    mixer = model.get_submodule(f"model.layers.0.{FAMILIES[kind][2]}")
     batch, _ = _rows(64, lengths=(7, 11, 5, 9), max_len=18)  # two rows, padding at the end
-    H = model.config.hidden_size
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(*batch.doc_ids.shape, H, generator=g, dtype=torch.float64)
-    extra = {"attention_mask": None}
+    x = torch.randn(*batch.doc_ids.shape, model.config.hidden_size, generator=g, dtype=dtype)
+    args, extra = (), {"attention_mask": None}
     if kind == "lightning_attention":  # its forward takes the rotary tables (and ignores them)
         extra["position_embeddings"] = None
-    args = ()
     if kind == "cca_projection":  # (hidden_states, cache, conv_mask) -> (q, k, v), all per token
         extra, args = {}, (None,)  # the cache, positional: `past_key_values` on transformers 5.17
-
-    def outputs(out):  # the per-token outputs the room merges back
-        if not isinstance(out, tuple):
-            return (out,)
-        return out if kind == "cca_projection" else out[:1]
-
-    alone = {}
-    with torch.no_grad():
-        for b, a, e in _spans(batch.doc_ids):
-            alone[(b, a, e)] = outputs(mixer(x[b : b + 1, a:e], *args, **extra))
+    with torch.no_grad(), context():
+        alone = {(b, a, e): outputs(mixer(x[b : b + 1, a:e], *args, **extra))
+                 for b, a, e in _spans(batch.doc_ids)}  # fmt: skip
         fm.adapt(model)
         try:
             out = outputs(mixer(x, *args, doc_ids=batch.doc_ids, **extra))
         finally:
             fm.restore(model)
+    return model, mixer, batch, alone, out
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_room_module_matches_each_document_alone_float64(kind):
+    def outputs(out):  # the per-token outputs the room merges back
+        if not isinstance(out, tuple):
+            return (out,)
+        return out if kind == "cca_projection" else out[:1]
+
+    model, mixer, batch, alone, out = _room_outputs(kind, torch.float64, outputs)
+    assert dict(fm.mixers_of(model))[f"model.layers.0.{FAMILIES[kind][2]}"] == kind
     for (b, a, e), want in alone.items():
         for got, w in zip(out, want, strict=True):
             torch.testing.assert_close(got[b, a:e], w[0], rtol=0, atol=1e-10)
@@ -247,26 +255,9 @@ def test_room_module_matches_each_document_alone_float64(kind):
 def test_room_keeps_the_mixers_dtype_under_autocast(kind):
     """bf16 autocast over fp32 weights and inputs (how TRL trains): the adapted mixer returns
     the dtype the plain one does (bf16), not its fp32 input's, with each document's values."""
-    model = _model(kind)
-    path = f"model.layers.0.{FAMILIES[kind][2]}"
-    mixer = model.get_submodule(path)
-    batch, _ = _rows(64, lengths=(7, 11, 5, 9), max_len=18)
-    x = torch.randn(*batch.doc_ids.shape, model.config.hidden_size)
-    args, extra = ((None,), {}) if kind == "cca_projection" else ((), {"attention_mask": None})
-    if kind == "lightning_attention":
-        extra["position_embeddings"] = None
-
-    def first(out):
-        return out[0] if isinstance(out, tuple) else out
-
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        alone = {s: first(mixer(x[s[0] : s[0] + 1, s[1] : s[2]], *args, **extra))
-                 for s in _spans(batch.doc_ids)}  # fmt: skip
-        fm.adapt(model)
-        try:
-            out = first(mixer(x, *args, doc_ids=batch.doc_ids, **extra))
-        finally:
-            fm.restore(model)
+    _, _, _, alone, out = _room_outputs(
+        kind, torch.float32, _first, lambda: torch.autocast("cpu", dtype=torch.bfloat16)
+    )
     assert out.dtype == next(iter(alone.values())).dtype == torch.bfloat16
     for (b, a, e), want in alone.items():
         torch.testing.assert_close(out[b, a:e], want[0], rtol=2e-2, atol=2e-2)
