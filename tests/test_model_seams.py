@@ -129,3 +129,33 @@ def test_bidirectional_flag_with_a_causal_mask_runs_causal():
     assert not model.model.layers[0].self_attn.is_causal
     batch = _batch(model)
     assert _worst(model, reference, packed_forward_kwargs(batch), batch) < 1e-4
+
+
+def test_adapt_fails_closed_on_a_mixer_no_room_recognises(monkeypatch):
+    """transformers 5.25 moved the seam the rooms read (kernel functions became module
+    instances): every room then matched nothing and adapt() returned a leaking Mamba. A stateful
+    mixer that no room takes is refused, naming the module and the transformers versions."""
+    from flexpack.mixers import ssm
+
+    model, _ = _zoo.build("mamba")
+    blind = tuple(r for r in mixers.ROOMS if r is not ssm.MAMBA)
+    monkeypatch.setattr(mixers, "ROOMS", blind)  # the Mamba room no longer recognises it
+    with pytest.raises(ValueError) as err:
+        mixers.adapt(model)
+    words = str(err.value)
+    assert "MambaMixer at `backbone.layers.0.mixer`" in words
+    assert f"transformers {transformers.__version__}" in words
+    assert "verified on transformers 5.17.0 to 5.25.0" in words
+    assert not mixers.is_adapted(model.backbone.layers[0].mixer)  # left as it was
+    monkeypatch.undo()
+    assert mixers.adapt(model) is model and mixers.is_adapted(model.backbone.layers[0].mixer)
+
+
+def test_rooms_recognise_hub_functions_behind_module_wrappers():
+    """5.25 with the kernels package wraps each kernel-mapped function in an nn.Module and
+    reaches causal_conv1d_fn through causal_conv1d_forward: both wrappers are looked through."""
+    from flexpack.mixers._room import hub_functions
+
+    model, _ = _zoo.build("mamba")
+    names = set(hub_functions(model.backbone.layers[0].mixer))
+    assert {"causal_conv1d_fn", "mamba_selective_scan"} <= names

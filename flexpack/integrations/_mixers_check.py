@@ -37,7 +37,16 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["MixerKind", "check", "kinds", "mixers_of", "register_kind", "unsupported"]
+__all__ = [
+    "VERIFIED_TRANSFORMERS",
+    "MixerKind",
+    "check",
+    "kinds",
+    "mixers_of",
+    "refusal",
+    "register_kind",
+    "unsupported",
+]
 
 
 @dataclass(frozen=True)
@@ -281,13 +290,49 @@ def unsupported(model: torch.nn.Module) -> list[str]:
     for path, kind in _matches(model):
         if not kind.exact:
             paths.setdefault(kind, []).append(path)
-    out = []
-    for kind, where in paths.items():
-        more = f" and {len(where) - 1} more" if len(where) > 1 else ""
-        cls = type(model.get_submodule(where[0])).__name__
-        at = f"`{where[0]}`" if where[0] else "the model's root"
-        out.append(f"{kind.name} ({cls} at {at}{more}): {kind.why}")
-    return out
+    return [_sentence(model, kind, where) for kind, where in paths.items()]
+
+
+def _sentence(model: torch.nn.Module, kind: MixerKind, where: list[str]) -> str:
+    more = f" and {len(where) - 1} more" if len(where) > 1 else ""
+    cls = type(model.get_submodule(where[0])).__name__
+    at = f"`{where[0]}`" if where[0] else "the model's root"
+    return f"{kind.name} ({cls} at {at}{more}): {kind.why}"
+
+
+# The transformers releases flexpack's seams were verified on (the model zoo runs each family on
+# the oldest and newest of them in CI; docs/supported_models.md lists the verdicts per release).
+# Outside this range an unknown seam is refused, never guessed: the refusal says so.
+VERIFIED_TRANSFORMERS = ("5.17.0", "5.25.0")
+
+# The kinds whose state runs along the row (flexpack.mixers adapts them or they are refused).
+STATEFUL_KINDS = frozenset({"gated_delta_rule", "kda", "lightning_attention", "mamba",
+                            "short_conv", "linear_recurrence", "causal_conv"})  # fmt: skip
+
+
+def transformers_version() -> str:
+    """The installed transformers version ("not installed" without it)."""
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def refusal(model: torch.nn.Module, problems: list[str]) -> str:
+    """The refusal's words: what cannot be kept exact, the installed transformers release, the
+    range flexpack was verified on, and the ways out."""
+    low, high = VERIFIED_TRANSFORMERS
+    return (
+        f"flexpack cannot keep {type(model).__name__} exact on packed rows (each document would "
+        "see the others): " + "; ".join(problems) + f". Installed: transformers "
+        f"{transformers_version()}; flexpack's seams are verified on transformers {low} to "
+        f"{high}. If docs/supported_models.md lists this family as exact, this release moved a "
+        f"seam: install transformers<={high} (and report it), or run flexpack.check(model) to "
+        "test your model. Otherwise run it unpacked (one sample per row, padded) with "
+        "attn_implementation='sdpa'."
+    )
 
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -300,18 +345,25 @@ def check(model: torch.nn.Module) -> None:
 
     Raises:
         ValueError: the model has a refused kind of token mixer; the message names the kind,
-            the module class and path, and what to do instead.
+            the module class and path, the installed transformers version, the versions
+            flexpack was verified on, and what to do instead.
     """
     problems = _checked.get(model)
     if problems is None:
         problems = _checked[model] = unsupported(model)
     if problems:
-        raise ValueError(
-            f"flexpack cannot keep {type(model).__name__} exact on packed rows (each document "
-            "would see the others): " + "; ".join(problems) + ". Run this model unpacked (one "
-            "sample per row, padded) with attn_implementation='sdpa', or see "
-            "docs/supported_models.md for the families flexpack supports."
-        )
+        raise ValueError(refusal(model, problems))
+
+
+def stateful_left(model: torch.nn.Module, adapted: Callable[[torch.nn.Module], bool]) -> list[str]:
+    """:func:`unsupported`'s sentences for the recurrent / conv mixers of ``model`` for which
+    ``adapted(module)`` is False (flexpack.mixers.adapt found no room for them)."""
+    return [
+        sentence
+        for path, kind in _matches(model)
+        if not kind.exact and kind.name in STATEFUL_KINDS and not adapted(model.get_submodule(path))
+        for sentence in [_sentence(model, kind, [path])]
+    ]
 
 
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> ref(model)

@@ -222,6 +222,13 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
     Returns:
         ``model``.
 
+    Raises:
+        ValueError: ``model`` has a recurrent or convolutional token mixer that no room
+            recognises (a family flexpack does not know, or a transformers release that moved
+            the seam a room reads): its state would run across documents. The message names
+            the module, the installed transformers version and the versions flexpack was
+            verified on; ``model`` is left unadapted.
+
     Example:
         >>> import torch, flexpack.mixers
         >>> m = flexpack.mixers.adapt(torch.nn.Linear(2, 2))  # nothing to adapt
@@ -230,16 +237,22 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
     """
     if model in _models:
         return model
+    from flexpack.integrations import _mixers_check  # torch only; the refusal registry
+
     found = [(model.get_submodule(p), name) for p, name in mixers_of(model)]
-    if not found:
-        return model
-    state = _Adapted(model)
-    rooms = {r.name: r for r in ROOMS}
-    for module, name in found:
-        _install(module, rooms[name], state.call)
-        state.modules.append(module)
-    _models[model] = state
-    _forget_checks(model)
+    if found:
+        state = _Adapted(model)
+        rooms = {r.name: r for r in ROOMS}
+        for module, name in found:
+            _install(module, rooms[name], state.call)
+            state.modules.append(module)
+        _models[model] = state
+        _forget_checks(model)
+    # Fail closed: a mixer with a state along the row that no room took would leak silently.
+    left = _mixers_check.stateful_left(model, is_adapted)
+    if left:
+        restore(model)
+        raise ValueError(_mixers_check.refusal(model, left))
     return model
 
 

@@ -32,14 +32,49 @@ def _hub_functions_of(cls: type) -> tuple[tuple[str, Callable], ...]:
             continue
         for attr in vars(klass).values():
             fn = inspect.unwrap(attr) if callable(attr) else attr
-            code, owner = getattr(fn, "__code__", None), getattr(fn, "__globals__", None)
-            if code is None or owner is None:
-                continue
-            for name in code.co_names:  # the globals the method's code looks up by name
-                g = owner.get(name)
-                if callable(g) and _closure(g) is not None:
-                    found.setdefault(name, g)
+            if getattr(fn, "__code__", None) is not None:
+                _collect(fn, found, depth=0, seen=set())
     return tuple(sorted(found.items()))
+
+
+def _function_of(g: object) -> Callable | None:
+    """The Python function behind a global a method calls: the function itself, or (transformers
+    5.25 with the ``kernels`` package) the function an ``nn.Module`` wrapper's forward closes
+    over (``use_kernel_forward_from_hub`` turns a function into a module instance)."""
+    if isinstance(g, torch.nn.Module):
+        forward = getattr(type(g), "forward", None)
+        for cell in getattr(forward, "__closure__", None) or ():
+            try:
+                inner = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            if callable(inner) and getattr(inner, "__code__", None) is not None:
+                return inner
+        return None
+    return g if callable(g) and getattr(g, "__code__", None) is not None else None
+
+
+def _collect(fn: Callable, found: dict[str, Callable], *, depth: int, seen: set[int]) -> None:
+    """Add the hub-kernel wrappers ``fn``'s code calls by name, following the modeling file's own
+    helpers (5.25's ``causal_conv1d_forward`` calls ``causal_conv1d_fn``; 5.24's mixers called it
+    directly): what a mixer does, whichever layer of its file names the kernel."""
+    owner = getattr(fn, "__globals__", None)
+    if owner is None or id(fn) in seen or depth > 3:
+        return
+    seen.add(id(fn))
+    for name in fn.__code__.co_names:  # the globals the code looks up by name
+        inner = _function_of(owner.get(name))
+        if inner is None:
+            continue
+        nonlocals = _closure(inner)
+        if nonlocals is not None:
+            found.setdefault(name, inner)
+            # and under the kernel's own name, which outlives a rename of the torch function
+            kernel = nonlocals.get("func_name")
+            if isinstance(kernel, str):
+                found.setdefault(kernel, inner)
+        elif getattr(inner, "__globals__", None) is owner:  # a helper of the same modeling file
+            _collect(inspect.unwrap(inner), found, depth=depth + 1, seen=seen)
 
 
 def _closure(fn: Callable) -> dict | None:
