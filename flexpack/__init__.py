@@ -4,7 +4,8 @@ Packing (``pack``, ``pack_sequences``, ``PackedLayout``) assigns variable-length
 ``max_len``; masks (``document_causal_mask`` and friends) keep every document to itself in
 FlexAttention; ``attention`` runs them on any device; ``packed_cross_entropy`` keeps the loss
 unbiased (``packed_linear_cross_entropy`` from the hidden states, never building the whole
-logits); ``pack_trees`` forwards shared prompts once (GRPO groups, DPO pairs).
+logits); ``pack_trees`` forwards shared prompts once (GRPO groups, DPO pairs); ``check(model)``
+tells whether a transformers model is exact on packed rows, or names the module that is not.
 
 The names below load on first use (PEP 562), so ``import flexpack`` and the ``flexpack`` command's
 ``--help`` do not import torch until something needs it.
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from flexpack.attention import RecompileLimitError, attention
     from flexpack.batch import PackedBatch, pack_sequences
+    from flexpack.check import CheckReport, check
     from flexpack.layout import PackedLayout
     from flexpack.loss import packed_cross_entropy, packed_linear_cross_entropy
     from flexpack.masks import document_causal_mask, document_mask, prefix_lm_mask
@@ -32,12 +34,13 @@ def _version() -> str:
     try:
         return importlib.metadata.version("flexpack")
     except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
-        return "0.1.0"
+        return "0.2.0"
 
 
 __version__ = _version()
 
 _EXPORTS = {
+    "CheckReport": "flexpack.check",
     "PackPlan": "flexpack.packing",
     "PackStats": "flexpack.packing",
     "PackedBatch": "flexpack.batch",
@@ -45,6 +48,7 @@ _EXPORTS = {
     "RecompileLimitError": "flexpack.attention",
     "TreeBatch": "flexpack.trees",
     "attention": "flexpack.attention",
+    "check": "flexpack.check",
     "clear_caches": "flexpack._tensor_cache",
     "document_causal_mask": "flexpack.masks",
     "document_mask": "flexpack.masks",
@@ -57,6 +61,7 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CheckReport",
     "PackPlan",
     "PackStats",
     "PackedBatch",
@@ -64,6 +69,7 @@ __all__ = [
     "RecompileLimitError",
     "TreeBatch",
     "attention",
+    "check",
     "clear_caches",
     "document_causal_mask",
     "document_mask",

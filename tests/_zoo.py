@@ -1,178 +1,26 @@
 """The model zoo: every decoder-only causal LM in the installed transformers, built tiny offline.
 
-:func:`tiny_config` shrinks a model type's default config (hidden 64, 4 heads, small experts,
-state and conv sizes, windows and chunks of 4 tokens) and keeps one layer of each kind it has
-(``layer_types`` and the other per-layer fields; the families whose defaults hide a kind get it
-back from ``PATTERNS``). :func:`check` runs one packed row of three documents through flexpack
-(``register()`` + ``packed_forward_kwargs``) and compares each document's logits with the
-document run alone under ``eager``. Test tooling, not library API.
+:func:`tiny_config` shrinks a model type's default config with the library's
+:func:`flexpack.integrations._tiny.tiny_config` (hidden 64, 4 heads, small experts, state and
+conv sizes, windows and chunks of 4 tokens, one layer of each kind it has; ``flexpack.check``
+probes large models on the same twins). :func:`check` runs one packed row of three documents
+through flexpack (``register()`` + ``packed_forward_kwargs``) and compares each document's logits
+with the document run alone under ``eager``. Test tooling, not library API.
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 import flexpack
+from flexpack.integrations import _tiny
 
 LENGTHS = (11, 14, 9)  # three documents, longer than every window and chunk
 MAX_LEN = 40  # one row: 34 tokens and 6 of padding
 ATOL = 1e-4
-SMALL = 4  # sliding windows, attention chunks, SSM chunks: shorter than the documents
-
-# Sizes for the config fields that set the model's width. Only fields the config has are set.
-SIZES: dict[str, Any] = {
-    "vocab_size": 128,
-    "hidden_size": 64,
-    "d_model": 64,
-    "n_embd": 64,
-    "intermediate_size": 96,
-    "ffn_hidden_size": 96,
-    "num_attention_heads": 4,
-    "n_head": 4,
-    "num_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "rotary_dim": 8,  # GPT-J, CodeGen: rotary part of the 16-wide heads (64 by default)
-    "attention_head_dim": 16,
-    "global_head_dim": 16,
-    "num_experts": 4,
-    "num_local_experts": 4,
-    "n_routed_experts": 4,
-    "moe_num_experts": 4,
-    "num_experts_per_tok": 2,
-    "num_experts_per_token": 2,
-    "num_expert_group": 1,
-    "linear_head_dim": 16,
-    "linear_num_heads": 4,
-    "layer_group_size": 2,
-    "moe_k": 2,
-    "moe_intermediate_size": 32,
-    "expert_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32,
-    "moe_shared_expert_intermediate_size": 32,
-    "n_shared_experts": 1,
-    "n_group": 1,
-    "topk_group": 1,
-    "first_k_dense_replace": 0,
-    # MLA: v_head_dim (8) != the q/k head dim (8 + 8 = 16)
-    "q_lora_rank": 16,
-    "kv_lora_rank": 16,
-    "qk_rope_head_dim": 8,
-    "qk_nope_head_dim": 8,
-    "v_head_dim": 8,
-    "index_head_dim": 16,
-    "index_n_heads": 2,
-    "index_topk": 8,
-    # linear attention / SSM / conv mixers
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
-    "linear_key_head_dim": 8,
-    "linear_value_head_dim": 8,
-    "linear_conv_kernel_dim": 4,
-    "state_size": 8,
-    "ssm_state_size": 8,
-    "mamba_d_state": 8,
-    "mamba_d_conv": 4,
-    "conv_kernel": 4,
-    "mamba_n_heads": 4,
-    "mamba_d_head": 16,
-    "mamba_head_dim": 16,
-    "mamba_n_groups": 1,
-    "n_groups": 1,
-    "time_step_rank": 8,
-    "chunk_size": SMALL,
-    "mamba_chunk_size": SMALL,
-    "lru_width": 64,
-    "conv_L_cache": 3,
-    "block_size": SMALL,
-    "num_nextn_predict_layers": 0,
-    "vocab_size_per_layer_input": 128,  # Gemma 3n / 4's per-layer embeddings
-    "hidden_size_per_layer_input": 16,
-    "encoder_hash_byte_group_vocab": 512,  # BLT's hash embeddings (500,002 rows by default)
-    "initializer_range": 0.1,  # large enough that a leak between documents shows
-    "attention_dropout": 0.0,
-    "hidden_dropout": 0.0,
-    "dropout": 0.0,
-}
-# Per-layer overrides (Gemma 4's wider global layers): wider than SIZES, as in the real configs.
-PER_LAYER_SIZES: dict[str, Any] = {"head_dim": 32, "global_head_dim": 32}
-# Windows and chunks: set where the config has one (not None), so they are shorter than documents.
-WINDOWS = ("sliding_window", "attention_chunk_size", "attention_window_size")
-# Families whose default config hides a kind of layer they ship with (e.g. LFM2's default has
-# attention layers only, real checkpoints interleave short convs): the fields that bring it back.
-PATTERNS: dict[str, dict[str, Any]] = {
-    "lfm2": {"layer_types": ["conv", "full_attention"], "full_attn_idxs": [1]},
-    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},
-    "jamba": {
-        "num_hidden_layers": 2,
-        "attn_layer_period": 2,
-        "attn_layer_offset": 1,
-        "expert_layer_period": 2,
-        "expert_layer_offset": 1,
-    },
-    "bamba": {"num_hidden_layers": 2, "attn_layer_indices": [1]},
-    "zamba2": {
-        "num_hidden_layers": 2,
-        "layers_block_type": ["linear_attention", "hybrid"],  # mamba2, then shared attention
-        "hybrid_layer_ids": [1],
-        "attention_hidden_size": 128,  # derived at init (2 x hidden), kept by to_dict
-        "attention_head_dim": 32,
-        "mamba_headdim": 16,  # mamba_expand x hidden / n_mamba_heads
-        "kv_channels": 16,
-        "num_query_groups": 4,
-        "adapter_rank": 8,
-    },
-    "rwkv": {"num_hidden_layers": 2, "attention_hidden_size": 64},  # its init divides by L - 1
-    "xlstm": {"num_hidden_layers": 2, "num_blocks": 2, "embedding_dim": 64},
-    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
-    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "num_hidden_layers": 2},
-    # configs whose width and depth go by other names (each took 23-61 s at default size)
-    "longcat_flash": {
-        "num_layers": 1,
-        "expert_ffn_hidden_size": 32,
-        "zero_expert_num": 2,
-        "moe_topk": 2,
-    },
-    "xlm": {"emb_dim": 64, "n_layers": 2},
-}
-
-# Sub-configs that need more than SIZES, merged in last (the per-layer reduction still runs):
-# Qwen2-VL's text config has no mrope_section (the model's default, [16, 24, 24], fits head dim
-# 128, not 16), and its vision tower's depth and widths go by names of their own (at default
-# size it took 35 s and 2.6 GB to build).
-OVERRIDES: dict[str, dict[str, Any]] = {
-    "qwen2_vl_text": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
-    "qwen2_5_vl_text": {"rope_parameters": {"mrope_section": [2, 3, 3]}},
-    "qwen2_vl_vision": {"depth": 2, "embed_dim": 64},
-    "qwen2_5_vl_vision": {"depth": 2, "out_hidden_size": 64, "fullatt_block_indexes": [1]},
-    # defaults that do not build (None where a number is needed) or a layer list to keep whole
-    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
-    "dots1": {"n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2},
-    "qwen4_exp_text": {
-        "indexer_n_heads": 2,
-        "indexer_kv_heads": 1,
-        "indexer_head_dim": 16,
-        "indexer_budget": 8,
-        "indexer_compress_ratio": 2,
-    },
-    "zamba": {
-        "num_hidden_layers": 4,
-        "attn_layer_period": 2,
-        "attn_layer_offset": 1,
-        "layers_block_type": ["linear_attention", "hybrid"] * 2,  # the shared block, twice
-        "attention_hidden_size": 128,
-        "mamba_dt_rank": 4,
-    },
-    "cohere_compass_text": {
-        "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    },
-    "xlnet": {"d_head": 16, "n_layer": 2, "d_inner": 128},
-    "zaya": {"num_experts_per_tok": 1},
-}
 
 
 class Unbuildable(Exception):
@@ -184,132 +32,20 @@ class NoAttentionSeam(Exception):
     layers pick their attention class from a fixed dict (``KeyError: 'flexpack'``)."""
 
 
-def _per_layer_fields(d: dict[str, Any], L: int) -> list[str]:
-    return [
-        k
-        for k, v in d.items()
-        if k != "layer_types" and isinstance(v, (list, str)) and len(v) == L and L > 1
-        and not k.endswith(("_token", "_name_or_path", "architectures"))
-    ]  # fmt: skip
-
-
-def _shrink(d: dict[str, Any], model_type: str | None) -> dict[str, Any]:
-    """One config dict (and its sub-config dicts) made tiny, one layer of each kind kept."""
-    d = dict(d)
-    for key, value in d.items():
-        if isinstance(value, dict) and "model_type" in value:
-            d[key] = _shrink(value, value.get("model_type"))
-    for key, value in SIZES.items():
-        if key in d and d[key] is not None and not isinstance(d[key], (list, dict)):
-            d[key] = value
-    for key in WINDOWS:
-        if d.get(key) is not None:
-            d[key] = SMALL
-    # None that means "derive it from the default widths" (Ministral, HunYuan, Nemotron), not off
-    for key in ("head_dim", "num_key_value_heads"):
-        if key in d and d[key] is None:
-            d[key] = SIZES[key]
-    experts = ("n_routed_experts", "num_experts", "num_local_experts")
-    if (
-        "num_experts_per_tok" in d
-        and d["num_experts_per_tok"] is None
-        and any(isinstance(d.get(k), int) for k in experts)
-    ):  # DeepSeek-V2's default leaves its routed experts' top-k unset
-        d["num_experts_per_tok"] = SIZES["num_experts_per_tok"]
-    if isinstance(d.get("qk_rope_head_dim"), int) and "head_dim" in d:
-        d["head_dim"] = d["qk_rope_head_dim"]  # MLA: the rotary part is the config's head_dim
-    if isinstance(d.get("kv_lora_rank"), int) and "num_key_value_heads" in d:
-        d["num_key_value_heads"] = d["num_attention_heads"]  # MLA: one key head per query head
-    if "qk_head_dim" in d and isinstance(d.get("qk_rope_head_dim"), int):
-        d["qk_head_dim"] = d["qk_rope_head_dim"] + d["qk_nope_head_dim"]  # derived at init
-    d.update(PATTERNS.get(model_type or "", {}))
-    if model_type in PATTERNS and isinstance(d.get("layer_types"), list):
-        d["num_hidden_layers"] = len(d["layer_types"])
-    L = d.get("num_hidden_layers")
-    if isinstance(L, int) and L > 1 and model_type not in PATTERNS:
-        kinds = d.get("layer_types")
-        fields = _per_layer_fields(d, L)
-        keys = [tuple([kinds[i]] if isinstance(kinds, list) else []) + tuple(
-            d[f][i] for f in fields) for i in range(L)]  # fmt: skip
-        first: dict[tuple, int] = {}
-        for i, k in enumerate(keys):
-            first.setdefault(k, i)
-        # one layer of each distinct kind, at most 4, the layer kinds first
-        by_kind: dict[Any, int] = {}
-        for i, k in enumerate(keys):
-            by_kind.setdefault(k[:1], i)
-        keep = sorted(set(by_kind.values()) | set(list(first.values())[:4]))[:6]
-        if isinstance(kinds, list):
-            d["layer_types"] = [kinds[i] for i in keep]
-        for f in fields:
-            v = d[f]
-            d[f] = "".join(v[i] for i in keep) if isinstance(v, str) else [v[i] for i in keep]
-            if f in SIZES and all(isinstance(x, int) for x in d[f]):
-                d[f] = [SIZES[f]] * len(keep)  # per-layer widths (Gemma 3n's intermediate_size)
-        d["num_hidden_layers"] = len(keep)
-        for key in ("mlp_only_layers", "moe_layers", "full_attn_idxs"):
-            if isinstance(d.get(key), list):
-                d[key] = [j for j, i in enumerate(keep) if i in d[key]]
-        if isinstance(d.get("num_kv_shared_layers"), int) and d["num_kv_shared_layers"] > 0:
-            # Gemma 3n / 4 reuse the K/V of earlier layers in their last layers: keep the
-            # sharing, with producers and users of each kind in the kept layers
-            d["num_kv_shared_layers"] = len(keep) // 2
-        if isinstance(d.get("per_layer_config"), dict):  # Gemma 4: {"05": {"head_dim": 512}}
-            per = {int(k): v for k, v in d["per_layer_config"].items()}
-            d["per_layer_config"] = {
-                str(j): {k: PER_LAYER_SIZES.get(k, v) for k, v in per[i].items()}
-                for j, i in enumerate(keep) if i in per
-            }  # fmt: skip
-    elif isinstance(L, int) and L == 1:
-        pass
-    _mamba_heads(d)
-    rope = d.get("rope_parameters") or d.get("rope_scaling")
-    if isinstance(rope, dict) and isinstance(rope.get("mrope_section"), list):
-        rope["mrope_section"] = [2, 3, 3]  # mRoPE sections of head_dim 16: 16 / 2 rotary pairs
-    for key, value in OVERRIDES.get(model_type or "", {}).items():
-        d[key] = {**d[key], **value} if isinstance(d.get(key), dict) else value
-    vocab = d.get("vocab_size")
-    if isinstance(vocab, int):
-        for key, value in list(d.items()):
-            if key.endswith(("_token_id", "_token_index")) and isinstance(value, int):
-                if value >= vocab:
-                    d[key] = vocab - 1 - len(key) % 8  # distinct, inside the vocabulary
-    return d
-
-
-def _mamba_heads(d: dict[str, Any]) -> None:
-    """Mamba2 heads that fill the inner width: heads * head dim == expand * hidden."""
-    hidden = d.get("hidden_size")
-    if isinstance(d.get("mamba_d_ssm"), int) and isinstance(d.get("mamba_expand"), int):
-        d["mamba_d_ssm"] = d["mamba_expand"] * hidden
-    names = (
-        ("expand", "num_heads", "head_dim"),
-        ("mamba_expand", "mamba_n_heads", "mamba_d_head"),
-        ("mamba_expand", "mamba_n_heads", "mamba_head_dim"),
-    )
-    for expand, heads, head_dim in names:
-        if all(isinstance(d.get(k), int) for k in (expand, heads, head_dim)) and hidden:
-            d[heads] = int(d[expand]) * hidden // d[head_dim]
-
-
 def tiny_config(model_type: str, attn_implementation: str = "eager"):
-    """The tiny float32 config of ``model_type``; raises :class:`Unbuildable` with the reason."""
+    """The tiny float32 config of ``model_type`` (its default config through
+    :func:`flexpack.integrations._tiny.tiny_config`); raises :class:`Unbuildable` with the
+    reason."""
     from transformers import AutoConfig
 
     try:
         default = AutoConfig.for_model(model_type)
     except Exception as e:
         raise Unbuildable(f"default config: {type(e).__name__}: {_first_line(e)}") from e
-    d = _shrink(default.to_dict(), model_type)
-    d.pop("transformers_version", None)
-    d.pop("model_type", None)
-    d.pop("dtype", None)
     try:
-        config = type(default).from_dict(d)
+        return _tiny.tiny_config(default, attn_implementation)
     except Exception as e:
         raise Unbuildable(f"tiny config: {type(e).__name__}: {_first_line(e)}") from e
-    config._attn_implementation = attn_implementation
-    return config
 
 
 def _first_line(e: BaseException) -> str:
@@ -357,6 +93,28 @@ def build(model_type: str):
     reference, model = built
     model.load_state_dict(reference.state_dict())
     return model, reference
+
+
+def attends_ahead(model_type: str) -> bool:
+    """Whether the tiny model at its default config lets a token see later ones (an encoder
+    family's LM head: BERT, RoBERTa), told by what it does: the first token's logits change when
+    only the last token does. ``config.is_decoder`` is not the test: GPT-NeoX and TrOCR say
+    False and are causal. A model that cannot be built is left to :func:`check` (False)."""
+    try:
+        config = tiny_config(model_type)
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _auto_class(model_type).from_config(config, dtype=torch.float32).eval()
+        ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+        changed = ids.clone()
+        changed[0, -1] = 11
+        with torch.no_grad():
+            a = model(input_ids=ids, use_cache=False).logits[0, 0]
+            b = model(input_ids=changed, use_cache=False).logits[0, 0]
+    except Exception:
+        return False
+    return not torch.equal(a, b)
 
 
 def samples(vocab: int) -> list[torch.Tensor]:
@@ -439,7 +197,7 @@ def _run(model, packed_forward_kwargs, batch, spans, alone, given) -> tuple[str,
             packed = model(**packed_forward_kwargs(batch, model=given)).logits
     except ValueError as e:  # the refused mixers, whole (without the advice that follows)
         text = " ".join(str(e).split())
-        return "refused", text.split("others): ", 1)[-1].split(". Run this model", 1)[0]
+        return "refused", text.split("others): ", 1)[-1].split(". Installed: transformers", 1)[0]
     except Exception as e:
         return "error", f"{type(e).__name__}: {_first_line(e)}"
     worst = max(
@@ -460,6 +218,64 @@ def _spans(doc_ids: torch.Tensor) -> list[tuple[int, int]]:
                 out.append((start, i))
             start = i
     return out
+
+
+# The top of docs/supported_models.md: flexpack.check for a model of the reader's own (its
+# code block runs in tests/test_docs.py), then the zoo's table under its own heading.
+CHECK_OWN_MODEL = """
+## Check your own model
+
+<!-- docs-test: requires transformers -->
+
+`flexpack.check(model)` answers for the model you have (a checkpoint, a config of your own,
+modules you added): it packs three documents into one row, runs the row through flexpack and
+each document alone under `eager`, in float64 on CPU, on a copy of the model (above 2e7
+parameters, on a tiny model of its class built from its config), and compares the output of
+every module. It returns a short report when each document gets what it gets alone; otherwise
+it raises a `ValueError` with flexpack's refusal, or naming the first module whose output
+differs. Verdicts are kept per process, and a class that flexpack's verified table
+(`flexpack/assets/verified_models.json`, from the zoo below) lists as exact on your transformers
+release is reported without running (`force=True` runs it anyway). Needs transformers:
+`pip install -e '.[hf]'`.
+
+```python
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import flexpack
+
+config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+model = LlamaForCausalLM(config)  # or AutoModelForCausalLM.from_pretrained(...)
+report = flexpack.check(model, force=True)  # force: run the probe, not the verified table
+print(report)
+
+
+class RunningSum(torch.nn.Module):  # a token mixer flexpack has never seen
+    def forward(self, x):
+        return x.cumsum(dim=1)  # (B, S, H): runs across document boundaries
+
+
+model.model.layers[1].mlp = RunningSum()
+try:
+    flexpack.check(model)
+except ValueError as e:
+    print(e)
+```
+
+prints (abridged)
+
+```
+LlamaForCausalLM: exact on packed rows (3 documents, 34 tokens, max |diff|
+...
+flexpack.check: LlamaForCausalLM is not exact on packed rows: the first module whose output
+differs from the document alone is `model.layers.1.mlp` (RunningSum): by
+...
+Its input matches: this module mixes tokens across documents.
+```
+
+## Every family of transformers, tiny
+"""
 
 
 SEAMS = """
@@ -512,6 +328,8 @@ def table(
         counts[r.status] = counts.get(r.status, 0) + 1
     lines = [
         "# Supported models",
+        "",
+        *CHECK_OWN_MODEL.strip("\n").splitlines(),
         "",
         "<!-- Generated by tests/test_model_zoo.py (a full run rewrites it); do not edit. -->",
         "",

@@ -351,8 +351,54 @@ def check(model: torch.nn.Module) -> None:
     problems = _checked.get(model)
     if problems is None:
         problems = _checked[model] = unsupported(model)
+        if not problems and not _probing and outside_verified() and hasattr(model, "config"):
+            problems = _checked[model] = _probe_unverified(model)
     if problems:
         raise ValueError(refusal(model, problems))
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split(".")[:3]:
+        digits = "".join(c for c in piece if c.isdigit()) or "0"
+        parts.append(int(digits))
+        if not piece.isdigit():  # "25rc1", "0.dev0": what follows does not count
+            break
+    return tuple(parts)
+
+
+def outside_verified(version: str | None = None) -> bool:
+    """Whether ``version`` (the installed transformers by default) lies outside
+    ``VERIFIED_TRANSFORMERS``: then each model flexpack sees is run through :func:`flexpack.check`
+    at its first forward, since a seam flexpack reads may have moved."""
+    version = transformers_version() if version is None else version
+    if version == "not installed":
+        return False
+    low, high = (_version(v) for v in VERIFIED_TRANSFORMERS)
+    return not low <= _version(version) <= high
+
+
+_probing = False  # flexpack.check's own probe forwards check their twin: not again
+
+
+def _probe_unverified(model: torch.nn.Module) -> list[str]:
+    """On a transformers release flexpack was not verified on, the model's verdict comes from
+    running it: flexpack.check on a float64 probe (once per kind of model and release)."""
+    global _probing
+    import flexpack
+
+    _probing = True
+    try:
+        flexpack.check(model)
+    except ValueError as e:
+        return [f"flexpack.check found a difference on transformers {transformers_version()}, "
+                f"outside the verified range: {e}"]  # fmt: skip
+    except RuntimeError as e:  # no probe could be built: unverified is refused, not guessed
+        return [f"flexpack.check could not probe it on transformers {transformers_version()}, "
+                f"outside the verified range: {e}"]  # fmt: skip
+    finally:
+        _probing = False
+    return []
 
 
 def stateful_left(model: torch.nn.Module, adapted: Callable[[torch.nn.Module], bool]) -> list[str]:
