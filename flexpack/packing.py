@@ -16,23 +16,30 @@ Strategies:
 Rows of ``"bfd"`` and ``"ffd"`` come back in a seeded random order: sorted packers otherwise put
 all the tiny samples in the same rows, which shifts the loss from batch to batch. ``"greedy"``
 and ``"wrap"`` keep the input order.
+
+Fewer than 4,096 samples (or pieces) are packed by numpy; more by compiled kernels (numba,
+compiled on their first use after an install and cached on disk). Both make the same plan, and
+packing a list of lengths imports neither torch nor numba until a size needs it
+(:mod:`flexpack._kernels`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from flexpack._choices import OVERFLOWS, STRATEGIES
-from flexpack.layout import PackedLayout
 
 if TYPE_CHECKING:
+    import torch
+
     from flexpack.batch import PackedBatch
+    from flexpack.layout import PackedLayout
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "DocsPerRow", "PackPlan", "PackStats", "pack"]
 
@@ -158,7 +165,7 @@ class PackPlan:
         if isinstance(rows, slice):
             idx = np.arange(self.num_rows)[rows]
         else:
-            if isinstance(rows, torch.Tensor):
+            if _is_tensor(rows):
                 rows = rows.cpu().numpy()
             idx = np.asarray(rows)
             if idx.ndim == 0:
@@ -190,6 +197,7 @@ class PackPlan:
             tensor([[ 0,  0,  1,  1,  1,  1, -1, -1]], dtype=torch.int32)
         """
         from flexpack import _kernels
+        from flexpack.layout import PackedLayout
 
         seg, num_docs = self._select(rows)
         empty = np.zeros(0, dtype=np.int64)
@@ -238,8 +246,15 @@ class PackPlan:
         return _materialize(self, seg, num_docs, sequences, pad_id=pad_id)
 
 
+def _is_tensor(x: Any) -> bool:
+    """``isinstance(x, torch.Tensor)`` without importing torch: packing plain lists and arrays
+    never loads it (seconds on a busy machine), and a tensor means torch is loaded already."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
 def _as_lengths(lengths: Any) -> np.ndarray:
-    if isinstance(lengths, torch.Tensor):
+    if _is_tensor(lengths):
         lengths = lengths.detach().cpu().numpy()
     try:
         arr = np.asarray(lengths)
