@@ -7,9 +7,11 @@ column) into rows and writes them as Parquet with the columns ``input_ids``, ``l
 would give, writing nothing. ``flexpack demo`` packs a bundled corpus and checks packed ==
 per-document on a small GPT.
 
-Only the standard library loads at import: ``--help`` and argument errors are instant, numpy and
-torch load when a command runs. Every bad argument is a usage error (exit status 2, no
-traceback); optional dependencies are checked before any input is read.
+Only the standard library loads at import: ``--help`` and argument errors are instant. numpy
+loads when a command reads its input and torch only once the input has passed every check (and
+never for ``stats``), so an error in the input comes back in well under a second. Every error is
+one line, ``flexpack CMD: error: ...`` (a bad flag adds a line naming ``--help``), exit status 2,
+no traceback; optional dependencies are checked before any input is read.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from flexpack import __version__
 from flexpack._choices import OVERFLOWS, STRATEGIES
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 
 _ROWS_PER_CHUNK = 1024
 _INT64 = (-(2**63), 2**63 - 1)
-_INSTALL = "pip install -e '.[cli]' (in a flexpack checkout)"
+_INSTALL = "pip install 'flexpack[cli]' (in a flexpack checkout: pip install -e '.[cli]')"
 _TOKENIZE_HINT = (
     "flexpack packs token ids and does not tokenize. Tokenize first, e.g. with transformers: "
     "tok = AutoTokenizer.from_pretrained(NAME); then write one "
@@ -55,6 +57,7 @@ class _Samples:
     ids: np.ndarray  # (T,) int64
     offsets: np.ndarray  # (n + 1,) int64
     labels: np.ndarray | None  # (T,) int64 or None
+    where: Callable[[int], str]  # names sample k in errors as the file does: "f.jsonl:7" (1-based)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -196,7 +199,7 @@ def _to_samples(ids_parts: list, label_parts: list | None, where: Callable[[int]
     labels = None
     if label_parts is not None:
         labels = _flat_int64(label_parts, ids.shape[0], "labels", where)
-    return _Samples(ids, offsets, labels)
+    return _Samples(ids, offsets, labels, where)
 
 
 def _flat_int64(parts: list[list[int]], total: int, what: str, where: Callable[[int], str]):
@@ -230,8 +233,6 @@ def _check_token_ids(ids: np.ndarray, offsets: np.ndarray, where: Callable[[int]
 
 def _read_parquet(path: Path, column: str | None, labels_column: str | None) -> _Samples:
     import numpy as np
-
-    from flexpack.layout import _first_past_int64
 
     pq = _import_pyarrow_parquet("reading Parquet")
     import pyarrow as pa
@@ -272,7 +273,11 @@ def _read_parquet(path: Path, column: str | None, labels_column: str | None) -> 
                 f"{path}: row {row} of column {name!r} holds a null token id; drop or fill it"
             )
         values = values.to_numpy(zero_copy_only=False)
-        at = _first_past_int64(values)  # the shared check of every token reader
+        at = None
+        if values.dtype == np.uint64:  # only then: flexpack.layout imports torch
+            from flexpack.layout import _first_past_int64
+
+            at = _first_past_int64(values)  # the shared check of every token reader
         if at is not None:
             row = int(np.searchsorted(offsets - offsets[0], at, side="right")) - 1
             raise CliError(
@@ -308,7 +313,7 @@ def _read_parquet(path: Path, column: str | None, labels_column: str | None) -> 
                 f"{int(np.diff(label_offsets)[k])} labels in {labels_column!r}; give one label "
                 "per token (-100 where no loss), or drop --labels-column"
             )
-    return _Samples(ids, offsets, labels)
+    return _Samples(ids, offsets, labels, where)
 
 
 def _import_pyarrow_parquet(why: str) -> Any:
@@ -461,6 +466,7 @@ def _plot(plan: PackPlan, lengths: np.ndarray, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     left.hist(lengths, bins=min(100, max(10, int(np.sqrt(lengths.size)))), color="tab:blue")
@@ -470,6 +476,10 @@ def _plot(plan: PackPlan, lengths: np.ndarray, path: str) -> None:
     fill = plan.row_lengths() / plan.max_len
     right.hist(fill, bins=50, range=(0, 1), color="tab:green")
     right.set_yscale("log")  # the few underfilled rows matter; a linear axis hides them
+    # From 1 row (a bar of 1 stands half a decade tall): autoscale started at the decade below the
+    # smallest bar (10 when every bar held 10 rows or more), as if no bar could be shorter.
+    right.set_ylim(bottom=0.5)
+    right.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     right.set(
         title=f"row fill ({plan.strategy}: {plan.num_rows} rows, {plan.efficiency:.2%} efficient)",
         xlabel="filled fraction of the row",
@@ -499,36 +509,55 @@ def _summary(stats: PackStats, timings: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
-def _check_overflow(lengths: np.ndarray, max_len: int, overflow: str, strategy: str) -> None:
-    """The pack error for too-long samples, worded for the command line."""
+def _check_overflow(samples: _Samples, max_len: int, overflow: str, strategy: str) -> None:
+    """The pack error for too-long samples, worded for the command line; it names the first as
+    every per-sample error does (a JSONL line from 1, a Parquet row as pyarrow counts it)."""
+    lengths = samples.lengths
     long = lengths > max_len
     if overflow == "error" and strategy != "wrap" and bool(long.any()):
         raise CliError(
             f"{int(long.sum()):,} of {lengths.size:,} samples are longer than --max-len "
-            f"{max_len} (longest {int(lengths.max()):,} tokens, first: sample {int(long.argmax())})"
-            ". Pass --overflow split (cut them into --max-len pieces, each its own document), "
-            "--overflow truncate, --overflow drop, or raise --max-len."
+            f"{max_len} (longest {int(lengths.max()):,} tokens; the first is "
+            f"{samples.where(int(long.argmax()))}). Pass --overflow split (cut them into "
+            "--max-len pieces, each its own document), --overflow truncate, --overflow drop, or "
+            "raise --max-len."
         )
 
 
-def _load_packer(strategy: str) -> float:
-    """Seconds of the one-time load (and, on a fresh install, compile) of a strategy's kernels."""
+_KERNEL_OF = {
+    "bfd": "best_fit_decreasing",
+    "ffd": "first_fit_decreasing",
+    "greedy": "next_fit",
+    "wrap": "wrap",
+}
+
+
+def _load_packer(strategy: str, n_samples: int, *, rows: bool = False) -> float | None:
+    """Seconds of the one-time load (and, on a fresh install, compile) of the kernels that pack
+    ``n_samples`` samples with ``strategy`` (and, with ``rows``, write the rows), or None where
+    numpy packs them: nothing to load."""
+    from flexpack import _kernels
     from flexpack.packing import pack
 
+    if not _kernels.compiled_for(_KERNEL_OF[strategy], n_samples):
+        return None
     t = time.perf_counter()
-    pack([1], 1, strategy=strategy)
+    with _kernels.forced("numba"):
+        plan = pack([1], 1, strategy=strategy)
+        if rows:
+            plan.layout()
     return time.perf_counter() - t
 
 
 def _cmd_pack(args: argparse.Namespace) -> int:
-    from flexpack.packing import pack
-
     bar = not args.quiet and sys.stderr.isatty()
     t0 = time.perf_counter()
     samples = _read(args.input, args.column, args.labels_column, bar)
-    _check_overflow(samples.lengths, args.max_len, args.overflow, args.strategy)
+    _check_overflow(samples, args.max_len, args.overflow, args.strategy)
+    from flexpack.packing import pack  # numpy (and numba for a large input), not torch
+
     t1 = time.perf_counter()
-    load = _load_packer(args.strategy)
+    load = _load_packer(args.strategy, samples.lengths.size, rows=True)
     t2 = time.perf_counter()
     plan = pack(
         samples.lengths,
@@ -544,7 +573,11 @@ def _cmd_pack(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(plan, samples.lengths, args.plot)
     if not args.quiet:
-        timings = {"read": t1 - t0, "packer load (once)": load, "pack": t3 - t2, "write": t4 - t3}
+        timings = {"read": t1 - t0}
+        if load is not None:
+            timings["packer load (once)"] = load
+        timings["pack" if load is not None else "pack (numpy)"] = t3 - t2
+        timings["write"] = t4 - t3
         print(_summary(plan.stats, timings))
         wrote = [str(Path(args.out).resolve())]
         wrote += [str(Path(args.plot).resolve())] if args.plot else []
@@ -553,18 +586,20 @@ def _cmd_pack(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from flexpack.packing import pack
-
     samples = _read(args.input, args.column, None, not args.quiet and sys.stderr.isatty())
     lengths = samples.lengths
-    t = time.perf_counter()
-    from flexpack import _kernels  # noqa: F401  (numba and the kernel module, shared by all)
-
-    loads, lines = {"kernel module import": time.perf_counter() - t}, []
-    for strategy in STRATEGIES:  # all of it first: nothing is printed if one fails
+    for strategy in STRATEGIES:  # the overflow error before any packing
         if strategy != "wrap":
-            _check_overflow(lengths, args.max_len, args.overflow, strategy)
-        loads[strategy] = _load_packer(strategy)
+            _check_overflow(samples, args.max_len, args.overflow, strategy)
+    from flexpack import _kernels
+    from flexpack.packing import pack  # numpy (and numba for a large input), never torch
+
+    loads: dict[str, float] = {}
+    lines = []
+    for strategy in STRATEGIES:  # all of it first: nothing is printed if one fails
+        load = _load_packer(strategy, lengths.size)
+        if load is not None:
+            loads[strategy] = load
         t = time.perf_counter()
         stats = pack(lengths, args.max_len, strategy=strategy, overflow=args.overflow).stats
         dt = time.perf_counter() - t
@@ -583,12 +618,18 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         f"{'docs/row':>8} {'truncated':>10} {'dropped':>10} {'pack s':>8}"
     )
     print("\n".join(lines))
-    print(
-        "pack s: packing alone. Loading the compiled packers once per process (compiling them "
-        "on a fresh install) took "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in loads.items())
-        + ", not included."
-    )
+    if loads:
+        print(
+            "pack s: packing alone. Loading the compiled packers once per process (compiling "
+            "them on the first run after an install) took "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in loads.items())
+            + ", not included."
+        )
+    else:
+        print(
+            f"pack s: packing alone, by numpy: under {_kernels.SMALL:,} samples that beats "
+            "loading the compiled packers (nothing to compile)."
+        )
     return 0
 
 
@@ -632,15 +673,25 @@ Pack variable-length token sequences into fixed-length rows for training.
 
 Input: JSONL with one {"input_ids": [...]} object (or one bare [...] list) of token ids per line,
 or Parquet with a list<int> column. flexpack does not tokenize: write token ids first.
-pack and the Parquet input need pyarrow, --plot needs matplotlib: pip install -e '.[cli]'
-(in a flexpack checkout).
+pack and the Parquet input need pyarrow, --plot needs matplotlib:
+  pip install 'flexpack[cli]'        (in a flexpack checkout: pip install -e '.[cli]')
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line and a hint, not the usage block first."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = f"{self.prog} --help lists the options"
+        self.exit(2, f"{self.prog}: error: {message}\n{hint}\n")
+
+    def fail(self, message: str) -> NoReturn:
+        """A bad value (a path, a missing extra): its one line, which says the fix."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="flexpack", description=_DESCRIPTION, formatter_class=_Formatter
-    )
+    parser = _Parser(prog="flexpack", description=_DESCRIPTION, formatter_class=_Formatter)
     parser.add_argument("--version", action="version", version=f"flexpack {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -712,7 +763,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="pack the bundled corpus and check packed == per-document", **kw
     )
-    demo.add_argument("--out", default="flexpack-demo", help="folder for the PNGs it writes")
+    demo.add_argument(
+        "--out",
+        default="flexpack-demo",
+        metavar="DIR",
+        help="folder for the mask PNGs it draws, created if missing; a relative path is in the "
+        "current folder",
+    )
     demo.add_argument(
         "--max-len",
         type=_POSITIVE,
@@ -728,7 +785,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+def _subparser(parser: argparse.ArgumentParser, command: str) -> _Parser:
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             return action.choices[command]
@@ -748,8 +805,9 @@ def _litgpt_finetune(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     r"""Run the ``flexpack`` command line; returns the exit status (2 on a user error).
 
-    Bad arguments exit through argparse (``SystemExit(2)`` with the usage line); bad input files
-    print ``flexpack CMD: error: ...`` and return 2. Neither shows a traceback.
+    Bad arguments, paths and missing extras exit with ``SystemExit(2)``; bad input files return
+    2. Both print one ``flexpack CMD: error: ...`` line (a bad flag adds a line naming
+    ``--help``), never the usage block or a traceback.
 
     Example:
         >>> import os, tempfile
@@ -780,7 +838,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "demo":
             _writable_folder(Path(args.out), f"--out {args.out}")
     except CliError as e:
-        sub.error(str(e))  # usage line, message, exit status 2
+        sub.fail(str(e))  # one line, exit status 2
     try:
         if args.command == "demo":
             from flexpack.demo import main as demo_main

@@ -12,8 +12,9 @@
    difference (the exit code is 1 if it exceeds ``tolerance``), then the tokens/s of packed rows
    against padded rows over the same real tokens: interleaved chunks, the gain is the median of
    the per-chunk ratios, so a change in the machine's load does not swing it.
-4. Writes a PNG of the mask of one packed row (matplotlib, optional extra ``viz``) and prints
-   where.
+4. Writes a PNG of the mask of one packed row (matplotlib, optional extra ``viz``) into ``out``
+   (``flexpack demo --out DIR``; by default ``flexpack-demo/`` in the current folder, which it
+   says first) and prints where.
 
 Slow steps print what they do first and show a progress bar when tqdm is installed and stderr
 is a terminal. Settings that would run for many minutes (``max_len`` so small that the documents
@@ -190,7 +191,7 @@ def main(
     """Run the demo; return the exit code (0 ok, 1 if packed and per-document logits disagree).
 
     Args:
-        out: folder for the mask PNG.
+        out: folder for the mask PNGs, created if missing (relative: in the current folder).
         max_len: tokens per packed row; longer documents are split into pieces of ``max_len``.
         num_docs: use only the first ``num_docs`` documents of the corpus (default all 601).
         n_layer: layers of the reference GPT.
@@ -213,6 +214,7 @@ def main(
         0
     """
     import flexpack
+    from flexpack import _kernels
     from flexpack.models import GPT, GPTConfig
 
     settings = (("batch_rows", batch_rows), ("repeats", repeats), ("num_docs", num_docs))
@@ -244,6 +246,7 @@ def main(
         f"flexpack demo: {len(texts)} documents of real prose (CPython docstrings, PSF license), "
         f"{n_bytes:,} byte tokens, lengths {min(lengths)}..{max(lengths)}, rows of {max_len}"
     )
+    print(f"pictures go to {Path(out).resolve()} (flexpack demo --out DIR puts them elsewhere)")
     n_long = sum(n > max_len for n in lengths)
     if n_long:
         print(
@@ -253,15 +256,27 @@ def main(
         )
 
     # -- packing -------------------------------------------------------------------------------
-    print(
-        "loading the compiled packer (the first run after an install compiles it) ...", flush=True
-    )
+    compiled = _kernels.compiled_for("best_fit_decreasing", n_pieces)
+    if compiled:
+        print(
+            "loading the compiled packer (the first run after an install compiles it) ...",
+            flush=True,
+        )
+    else:
+        print(
+            f"packing {n_pieces:,} pieces with numpy: under {_kernels.SMALL:,} pieces that beats "
+            "loading the compiled packer ...",
+            flush=True,
+        )
     t0 = time.perf_counter()
-    flexpack.pack([1], max_len)  # loads (on a fresh install: compiles, then caches) the packer
+    if compiled:  # loads (on a fresh install: compiles, then caches) the packer
+        with _kernels.forced("numba"):
+            flexpack.pack([1], max_len).layout()
     t1 = time.perf_counter()
     plan = flexpack.pack(lengths, max_len, overflow="split", seed=seed)
     batch = plan.materialize(samples)
     pack_ms, load_ms = (time.perf_counter() - t1) * 1e3, (t1 - t0) * 1e3
+    load = f"+{load_ms:.0f} ms to load the compiled packer" if compiled else "numpy, no compile"
     layout = batch.layout
     spans = _doc_spans(layout)
     docs = [batch.input_ids[r, a:b] for r, a, b in spans]  # long samples: max_len pieces
@@ -283,7 +298,7 @@ def main(
         f"-> {n / plan.num_rows:.2f}x fewer rows than one per row, "
         f"{padded_slots - packed_slots:,} padding tokens saved; lower bound "
         f"{plan.stats.lower_bound_rows} rows; packed and materialized in {pack_ms:.0f} ms "
-        f"(+{load_ms:.0f} ms to load the compiled packer)"
+        f"({load})"
     )
 
     # -- the proof -------------------------------------------------------------------------------
