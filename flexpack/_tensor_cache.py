@@ -14,7 +14,8 @@ in-place op (``ids.add_(1)``, ``ids[0]=``)  version counter         version coun
 ``ids.data = other``                        storage pointer         storage pointer
 a freed tensor, a new one at its ``id``     weak reference          weak reference
 through numpy (``torch.from_numpy(buf)``)   content copy            (numpy cannot)
-``ids.data[...] = ...`` (no version bump)   content copy            not seen (see below)
+``ids.data[...] = ...`` (no version bump,   content copy            not seen (see below)
+a tensor subclass too)
 in place on an inference tensor (no         content copy            not seen (see below)
 version counter)
 ==========================================  ======================  ======================
@@ -25,6 +26,10 @@ host sync per layer (the ``bool`` of a device comparison), which is the cost the
 remove, so a CUDA stamp trusts the version counter and the storage: a write through ``.data`` of
 a CUDA tensor, or in place on a CUDA inference tensor, is not seen. Pass a new tensor (the usual
 case: every collated batch is one) or call :func:`flexpack.clear_caches` after such a write.
+
+A stamp holds a weak reference to its tensor, which ``torch.utils.swap_tensors`` refuses ("has
+weakref associated with it"): call :func:`flexpack.clear_caches` before swapping a tensor
+flexpack has read (doc ids, position ids).
 """
 
 from __future__ import annotations
@@ -57,13 +62,28 @@ def _layout(t: Tensor) -> tuple:
     return (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device)
 
 
-def _content(t: Tensor) -> Tensor | None:
-    """A copy to compare on reuse, where comparing needs no host sync (plain CPU tensors)."""
-    if t.device.type != "cpu" or type(t) not in (Tensor, torch.nn.Parameter):
+# A subclass whose content cannot be copied as a plain tensor (a wrapper without storage): its
+# stamp never matches, so nothing derived from it is reused.
+_UNCOPYABLE = object()
+
+
+def _plain(t: Tensor) -> Tensor:
+    """``t``'s data as a plain tensor (a subclass's too: ``.data`` writes on it are seen)."""
+    t = t.detach()
+    return t if type(t) is Tensor else t.as_subclass(Tensor)
+
+
+def _content(t: Tensor) -> Tensor | object | None:
+    """A copy to compare on reuse, where comparing needs no host sync (CPU tensors, subclasses
+    included)."""
+    if t.device.type != "cpu":
         return None
     if torch.compiler.is_compiling():  # a traced value has no content to copy
         return None
-    return t.detach().clone()
+    try:
+        return _plain(t).clone()
+    except Exception:  # a wrapper subclass (no storage of its own): never reused
+        return _UNCOPYABLE
 
 
 class Stamp:
@@ -91,7 +111,9 @@ class Stamp:
         """Whether ``t`` is the stamped tensor, unmodified as far as the stamp can tell."""
         if self._ref() is not t or version(t) != self._version or _layout(t) != self._layout:
             return False
-        return self._content is None or torch.equal(self._content, t)
+        if self._content is _UNCOPYABLE:
+            return False
+        return self._content is None or torch.equal(self._content, _plain(t))
 
 
 def stamps(tensors: Iterable[Tensor | None]) -> tuple[Stamp | None, ...]:

@@ -71,6 +71,19 @@ def _canonical_doc_ids(d: Tensor) -> Tensor:
         d = _as_int_tensor(d.cpu().numpy(), "doc_ids").to(d.device)
     elif d.dtype in (torch.uint16, torch.uint32):  # nor on these: int64 holds them all
         d = d.to(torch.int64)
+    start = _run_starts(d)
+    run = torch.cumsum(start, dim=1, dtype=torch.int32) - 1
+    return torch.where(d >= 0, run, torch.full_like(run, -1))
+
+
+def _run_starts(d: Tensor, where: str = "doc_ids") -> Tensor:
+    """(B, S) bool: the first token of every run of equal non-negative ids of ``d`` (B, S)
+    (signed integers). The one rule of what a document is, for layouts and for the ids
+    flexpack's transformers attention and mixers read.
+
+    Raises ValueError when an id names two separate runs of a row (``[0, 0, 1, 1, 0]``): masks
+    would join the runs into one document, positions, cu_seqlens and recurrent states would
+    split them."""
     real = d >= 0
     start = real.clone()
     start[:, 1:] &= d[:, 1:] != d[:, :-1]
@@ -85,14 +98,15 @@ def _canonical_doc_ids(d: Tensor) -> Tensor:
             k = int(dup.nonzero()[0])
             row, first, again = int(r[k]), int(cols[order[k]]), int(cols[order[k + 1]])
             raise ValueError(
-                f"doc id {int(i[k])} names two separate runs of row {row} (at positions {first} "
-                f"and {again}, with other ids or padding between): a document must be one "
-                "contiguous run. Give each run its own id (e.g. number the runs 0..n-1), or, if "
-                "the runs are one document, make its tokens contiguous. Masks accept such ids "
-                "(equality semantics) but positions and cu_seqlens cannot describe them."
+                f"{where}: doc id {int(i[k])} names two separate runs of row {row} (at "
+                f"positions {first} and {again}, with other ids or padding between): a document "
+                "must be one contiguous run. Give each run its own id (e.g. number the runs "
+                "0..n-1, as PackedLayout.from_seqlens / from_position_ids do), or, if the runs "
+                "are one document, make its tokens contiguous. Masks alone accept such ids "
+                "(equality semantics) but positions, cu_seqlens and recurrent states cannot "
+                "describe them."
             )
-    run = torch.cumsum(start, dim=1, dtype=torch.int32) - 1
-    return torch.where(real, run, torch.full_like(run, -1))
+    return start
 
 
 class _Placement(NamedTuple):

@@ -404,11 +404,16 @@ def _probe_unverified(model: torch.nn.Module) -> list[str]:
 def stateful_left(model: torch.nn.Module, adapted: Callable[[torch.nn.Module], bool]) -> list[str]:
     """:func:`unsupported`'s sentences for the recurrent / conv mixers of ``model`` for which
     ``adapted(module)`` is False (flexpack.mixers.adapt found no room for them)."""
+
+    def inside_adapted(path: str) -> bool:  # the module or one that holds it (ZAYA's conv)
+        parts = path.split(".") if path else []
+        return any(adapted(model.get_submodule(".".join(parts[:i])))
+                   for i in range(len(parts), -1, -1))  # fmt: skip
+
     return [
-        sentence
+        _sentence(model, kind, [path])
         for path, kind in _matches(model)
-        if not kind.exact and kind.name in STATEFUL_KINDS and not adapted(model.get_submodule(path))
-        for sentence in [_sentence(model, kind, [path])]
+        if not kind.exact and kind.name in STATEFUL_KINDS and not inside_adapted(path)
     ]
 
 

@@ -25,6 +25,8 @@ imported lazily, inside the functions (extra ``hf``).
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -139,7 +141,9 @@ def _pass_padding_mask(
     """
     from flexpack import mixers
 
-    mixers.adapt_caller(kwargs.get("config"))  # per-document state for recurrent / conv mixers
+    model = mixers.adapt_caller(kwargs.get("config"))  # per-document state for mixers
+    if model is not None:  # the model's first forward
+        _warn_router_aux_loss(model, mixers.call_sources(model))
     _mixers_check.check_call(None)  # models whose attention never calls flexpack's are refused here
     whole_rows = q_length is None or (q_length == kv_length and not q_offset and not kv_offset)
     if whole_rows:
@@ -317,6 +321,50 @@ def _prepare(model: Any) -> None:
     if isinstance(inner, torch.nn.Module):
         mixers.adapt(inner)
         _mixers_check.check(inner)
+        _warn_router_aux_loss(inner, None)
+
+
+_aux_warned: weakref.WeakSet = weakref.WeakSet()
+
+
+def _packed(sources: dict[str, Any] | None) -> bool:
+    """Whether a call's sources describe packed rows (doc_ids, seq_idx or restarting positions);
+    None: the caller knows they do."""
+    if sources is None:
+        return True
+    if any(isinstance(sources.get(k), Tensor) for k in ("doc_ids", "seq_idx")):
+        return True
+    pos = sources.get("position_ids")
+    if not isinstance(pos, Tensor) or pos.shape[-1] < 2:
+        return False
+    pos = pos[0] if pos.dim() == 3 else pos
+    return bool((pos[..., 1:] - pos[..., :-1] != 1).any())
+
+
+def _warn_router_aux_loss(model: torch.nn.Module, sources: dict[str, Any] | None) -> None:
+    """Once per model: an MoE model whose forward adds the router's load-balancing loss
+    (``output_router_logits``) computes it over packed rows as one batch, padding included."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if not getattr(text, "output_router_logits", False) or model in _aux_warned:
+        return
+    if not model.training or not _packed(sources):
+        return
+    coef = getattr(text, "router_aux_loss_coef", None)
+    if coef is not None and not float(coef):
+        return
+    _aux_warned.add(model)
+    warnings.warn(
+        f"flexpack: {type(model).__name__} returns an MoE auxiliary loss "
+        f"(config.output_router_logits=True, router_aux_loss_coef={coef}): transformers "
+        "computes the router's load-balancing loss over the packed rows as one batch (every "
+        "document of a row and its padding pooled), not per document, so packed training "
+        "differs from unpacked training in that term (the language-model loss is exact). Set "
+        "output_router_logits=False (or router_aux_loss_coef=0) to train without it, or add a "
+        "per-document balancing loss of your own from the router logits and doc_ids.",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def packed_causal_lm_loss(
@@ -550,9 +598,9 @@ def flexpack_attention_forward(
         mask = multimodal._image_span_mask(
             query.device, B, S, attention_mask, kwargs, bool(is_causal)
         )
+    doc_ids, seq_idx, position_ids = _sources(module, S, kwargs)
     if mask is None and rule is not None:
-        ids = _doc_ids(B, S, attention_mask, kwargs.get("doc_ids"), kwargs.get("seq_idx"),
-                       kwargs.get("position_ids")).to(query.device)  # fmt: skip
+        ids = _doc_ids(B, S, attention_mask, doc_ids, seq_idx, position_ids).to(query.device)
         out = _rule_attention(query, key, value, ids, rule, scale=scaling, softcap=softcap,
                               sinks=kwargs.get("s_aux"))  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
@@ -563,9 +611,9 @@ def flexpack_attention_forward(
             B,
             S,
             attention_mask,
-            kwargs.get("doc_ids"),
-            kwargs.get("seq_idx"),
-            kwargs.get("position_ids"),
+            doc_ids,
+            seq_idx,
+            position_ids,
             bool(is_causal),
             kwargs.get("sliding_window"),
             chunk,
@@ -584,6 +632,24 @@ def flexpack_attention_forward(
         softcap=softcap, backend=backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+
+
+def _sources(module: torch.nn.Module, S: int, kwargs: dict[str, Any]) -> tuple:
+    """(doc_ids, seq_idx, position_ids) of this layer's call: its own keywords, or, when they
+    carry none, the model call's (recorded by flexpack.mixers' pre-hook: Llama 4's decoder layer
+    and ZAYA's model never hand ``position_ids`` to attention). Sources of another length than
+    the queries' S are not this sequence's and are left out."""
+    own = tuple(kwargs.get(k) for k in ("doc_ids", "seq_idx", "position_ids"))
+    if any(v is not None for v in own):
+        return own
+    from flexpack import mixers
+
+    found = mixers.call_sources(module) or {}
+    picked = []
+    for name in ("doc_ids", "seq_idx", "position_ids"):
+        t = found.get(name)
+        picked.append(t if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[-1] == S else None)
+    return tuple(picked)
 
 
 _DROPOUT_FIELDS = (
@@ -681,11 +747,16 @@ def _doc_ids(
 ) -> Tensor:
     """(B, S) integer document ids, -1 on padding, from the first source that is given.
 
+    Given ids (``doc_ids``, ``seq_idx``) must name one run of a row each (ValueError otherwise,
+    :func:`flexpack.layout._run_starts`'s rule, PackedLayout's).
+
     Signed ids keep their dtype (an int64 id of 2**32 stays itself: a cast to int32 would merge it
     with document 0); unsigned ids become int64 so that -1 fits, and the mask refuses uint64 ids
     past int64 (``flexpack.masks.document``)."""
+    given = None
     for name, ids in (("doc_ids", doc_ids), ("seq_idx", seq_idx)):
         if ids is not None:
+            given = name
             if not isinstance(ids, Tensor) or tuple(ids.shape) not in ((B, S), (1, S)):
                 got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
                 raise ValueError(
@@ -696,6 +767,8 @@ def _doc_ids(
         if position_ids is None:
             ids = torch.zeros(1, S, dtype=torch.int64)  # one sequence per row: plain causal
         else:
+            if position_ids.dim() == 3:  # mRoPE (3 or 4, B, S): the first row steps by one
+                position_ids = position_ids[0]  # along a document (temporal, or text positions)
             # transformers' packed-sequence rule: a new sequence wherever positions don't step by 1
             step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
             ids = (step != 1).cumsum(-1)
@@ -708,6 +781,12 @@ def _doc_ids(
         from flexpack.masks import _as_doc_ids
 
         ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
+    if given is not None:
+        from flexpack.layout import _run_starts
+
+        # one rule for attention, loss and the mixers: an id names one run of a row (masks
+        # would join [0 0 1 1 0 0]'s runs, the mixers' states restart at each)
+        _run_starts(ids, given)
     ids = ids.expand(B, S)
     if padding is not None:
         if padding.dim() != 2:

@@ -36,6 +36,7 @@ Shapes: hidden_states (B, S, H); doc_ids (B, S) int, -1 on padding.
 from __future__ import annotations
 
 import inspect
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -44,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexpack._tensor_cache import all_match, stamps
+from flexpack._tensor_cache import all_match, on_clear, stamps
 from flexpack.mixers import conv, delta, linear, ssm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, uses_kernels
@@ -55,6 +56,7 @@ __all__ = [
     "Room",
     "adapt",
     "adapt_caller",
+    "call_sources",
     "is_adapted",
     "mixers_of",
     "restore",
@@ -75,28 +77,61 @@ _BOUNDARY_KEYS = ("doc_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_se
 _SOURCES = ("doc_ids", "seq_idx", "position_ids", "attention_mask", "flexpack_mask")
 
 _models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Adapted
+# every submodule of a recorded model -> that model's _Call (the attention reads its sources)
+_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class _Call:
     """The document sources of the model's current call and the plan derived from them, shared
-    by every adapted mixer of the model (the plan is built once per forward)."""
+    by every adapted mixer of the model (the plan is built once per forward).
+
+    Gradient checkpointing replays a layer in backward, possibly after later forwards replaced
+    ``sources``: each checkpointed layer's input tensor is remembered with the sources of its
+    forward (``replay``), and a replayed layer finds its input on the call stack (the
+    checkpoint holds that same tensor object to replay it: torch's non-reentrant checkpoint,
+    transformers' default)."""
 
     def __init__(self) -> None:
         self.sources: dict[str, Any] = {}
+        self.replay: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
         self.plan_key: tuple | None = None
         self.stamped: tuple | None = None
         self.plans: dict[float, DocumentPlan] = {}  # by the room's pad factor
+
+    def remember(self, layer_input: Tensor) -> None:
+        """A checkpointed layer starts its forward on ``layer_input`` with this call's sources."""
+        key, replay = id(layer_input), self.replay
+        ref = weakref.ref(layer_input, lambda _, key=key: replay.pop(key, None))
+        replay[key] = (ref, self.sources)
+
+    def current(self) -> dict[str, Any]:
+        """The sources of the forward running now: the latest call's, or, inside a checkpointed
+        layer (its forward or its replay in backward), the sources its forward had."""
+        if not self.replay or torch.compiler.is_compiling():
+            return self.sources
+        frame = sys._getframe(1)
+        for _ in range(64):  # the layer's frames (its input, or the checkpoint's args) are near
+            if frame is None:
+                break
+            for value in frame.f_locals.values():
+                for t in value if isinstance(value, tuple) else (value,):
+                    hit = self.replay.get(id(t)) if isinstance(t, Tensor) else None
+                    if hit is not None and hit[0]() is t:
+                        return hit[1]
+            frame = frame.f_back
+        return self.sources
 
     def plan_for(
         self, B: int, S: int, kwargs: dict[str, Any], device, pad_factor: float
     ) -> DocumentPlan:
         from flexpack.integrations.transformers import _doc_ids
 
+        sources = self.current()
         own = {k: kwargs.get(k) for k in ("doc_ids", "seq_idx")}
-        src = own if any(v is not None for v in own.values()) else self.sources
+        src = own if any(v is not None for v in own.values()) else sources
         doc_ids, seq_idx = src.get("doc_ids"), src.get("seq_idx")
-        position_ids = self.sources.get("position_ids")
-        padding = self.sources.get("attention_mask")
+        position_ids = sources.get("position_ids")
+        padding = sources.get("attention_mask")
         if not (isinstance(padding, Tensor) and padding.dim() == 2):
             padding = None
         if isinstance(position_ids, Tensor) and position_ids.shape[-1] != S:
@@ -142,6 +177,26 @@ class _Adapted:
                     self._capture_for(backbone, outer=False), with_kwargs=True
                 )
             )
+        # layers transformers can checkpoint (GradientCheckpointingLayer): their hooks run at
+        # the forward only (the checkpoint wraps `forward`), which is when the sources are known
+        for module in model.modules():
+            if (
+                module is not model
+                and module is not backbone
+                and (hasattr(module, "gradient_checkpointing"))
+            ):
+                self.hooks.append(
+                    module.register_forward_pre_hook(self._remember_input, with_kwargs=True)
+                )
+
+    def _remember_input(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        if not (module.training and module.gradient_checkpointing and torch.is_grad_enabled()):
+            return
+        if torch.compiler.is_compiling():
+            return
+        x = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(x, Tensor):
+            self.call.remember(x)
 
     def _capture_for(self, module: torch.nn.Module, *, outer: bool) -> Callable:
         try:
@@ -169,6 +224,19 @@ class _Adapted:
     def remove(self) -> None:
         for hook in self.hooks:
             hook.remove()
+
+
+def _clear_plans() -> None:
+    """flexpack.clear_caches(): forget every model's plan (and the stamps' weak references to
+    the call's ids, which torch.utils.swap_tensors refuses to swap)."""
+    for state in list(_models.values()):
+        state.call.plan_key = state.call.stamped = None
+        state.call.plans = {}
+        state.call.sources = {}
+        state.call.ids = None
+
+
+on_clear(_clear_plans)
 
 
 def _towers(model: torch.nn.Module) -> set[int]:
@@ -204,6 +272,16 @@ def mixers_of(model: torch.nn.Module) -> list[tuple[str, str]]:
     ]
 
 
+def call_sources(module: torch.nn.Module) -> dict[str, Any] | None:
+    """The document sources (``doc_ids``, ``seq_idx``, ``position_ids``, ``attention_mask``)
+    of the current call of the model ``module`` belongs to, as its pre-hook recorded them; None
+    for a module of no recorded model. flexpack's attention falls back to them when its own
+    keywords carry none (Llama 4's decoder layer and ZAYA's model never pass position_ids on).
+    """
+    call = _owners.get(module)
+    return None if call is None else call.current()
+
+
 def is_adapted(module: torch.nn.Module) -> bool:
     """True for a mixer module :func:`adapt` has given a per-document forward."""
     return "_flexpack_room" in module.__dict__
@@ -213,7 +291,8 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
     """Give every recurrent / convolutional token mixer of ``model`` a per-document state.
 
     Per instance and reversible (:func:`restore`); calling it again is harmless. Models without
-    such mixers are returned untouched.
+    such mixers get only the forward pre-hook that records each call's document sources (for
+    attention layers whose decoder layer drops ``position_ids``: :func:`call_sources`).
 
     Args:
         model: a transformers model (any ``torch.nn.Module``; its mixers are found by the
@@ -240,13 +319,16 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
     from flexpack.integrations import _mixers_check  # torch only; the refusal registry
 
     found = [(model.get_submodule(p), name) for p, name in mixers_of(model)]
+    state = _Adapted(model)
+    rooms = {r.name: r for r in ROOMS}
+    for module, name in found:
+        _install(module, rooms[name], state.call)
+        state.modules.append(module)
+    for module in model.modules():
+        if module not in _owners:
+            _owners[module] = state.call
+    _models[model] = state
     if found:
-        state = _Adapted(model)
-        rooms = {r.name: r for r in ROOMS}
-        for module, name in found:
-            _install(module, rooms[name], state.call)
-            state.modules.append(module)
-        _models[model] = state
         _forget_checks(model)
     # Fail closed: a mixer with a state along the row that no room took would leak silently.
     left = _mixers_check.stateful_left(model, is_adapted)
@@ -273,7 +355,11 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         for module in state.modules:
             module.__dict__.pop("forward", None)
             module.__dict__.pop("_flexpack_room", None)
-        _forget_checks(model)
+        for module in model.modules():
+            if _owners.get(module) is state.call:
+                del _owners[module]
+        if state.modules:
+            _forget_checks(model)
     return model
 
 
@@ -281,9 +367,10 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
 _seen_configs: dict[int, weakref.ref] = {}
 
 
-def adapt_caller(config: Any) -> None:
+def adapt_caller(config: Any) -> torch.nn.Module | None:
     """:func:`adapt` the model whose forward is running now (called by flexpack's mask function
-    at the start of a model's forward, before its first layer; once per config).
+    at the start of a model's forward, before its first layer; once per config). Returns the
+    model the first time, None on later calls (and when no model is found).
 
     transformers hands the mask function the model's config, not the model: the model is the
     outermost ``torch.nn.Module`` with a ``config`` on the call stack (the one the user called).
@@ -293,17 +380,17 @@ def adapt_caller(config: Any) -> None:
     import sys
 
     if torch.compiler.is_compiling():
-        return
+        return None
     if config is None:
-        return
+        return None
     seen = _seen_configs.get(id(config))
     if seen is not None and seen() is config:
-        return
+        return None
     key = id(config)
     try:
         _seen_configs[key] = weakref.ref(config, lambda _: _seen_configs.pop(key, None))
     except TypeError:  # pragma: no cover - a config without weak references
-        return
+        return None
     model, frame_locals = None, None
     frame = sys._getframe(1)
     while frame is not None:
@@ -312,13 +399,14 @@ def adapt_caller(config: Any) -> None:
             model, frame_locals = owner, frame.f_locals
         frame = frame.f_back
     if model is None:
-        return
+        return None
     adapt(model)
     state = _models.get(model)
     if state is not None and frame_locals is not None:
         found = dict(frame_locals.get("kwargs") or {})
         found.update({k: v for k, v in frame_locals.items() if k != "kwargs"})
         state.call.sources = {k: found.get(k) for k in _SOURCES}
+    return model
 
 
 def _install(module: torch.nn.Module, room: Room, call: _Call) -> None:
@@ -347,8 +435,10 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
     B, S = x.shape[:2]
     cache = bound.get(cache_name) if cache_name else None
     if cache is not None:
-        if S == 1 or call.plan_for(B, S, bound, x.device, room.pad_factor).documents <= B:
-            return own(x, **bound)  # decoding, or prompts of one document per row
+        if S == 1 or call.plan_for(B, S, bound, x.device, room.pad_factor).one_per_row:
+            # decoding, or prompts: no row holds two documents (a count of documents against
+            # rows would let two documents share a state beside a padding-only row)
+            return own(x, **bound)
         warnings.warn(
             f"{type(module).__name__} got packed rows (several documents per row) together with "
             "a cache: each document's outputs are exact, but the cache gets no recurrent state "
@@ -357,7 +447,7 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             stacklevel=3,
         )
         bound[cache_name] = None
-    if bound.get("flexpack_mask") is not None or call.sources.get("flexpack_mask") is not None:
+    if bound.get("flexpack_mask") is not None or call.current().get("flexpack_mask") is not None:
         raise ValueError(
             f"{type(module).__name__} keeps a recurrent / convolutional state along the row, "
             "which cannot follow a flexpack_mask (a prefix tree or a custom mask); run this "
@@ -369,6 +459,15 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
     rest = {k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS}
     if "attention_mask" in rest:
         rest["attention_mask"] = None  # padding is left out of the documents
+    if plan.documents == 0:
+        # all padding (a data-parallel rank's filler batch): zeros, from one call of the module
+        # on zeros, so that backward still reaches its parameters (DDP waits for their grads)
+        out = own(x * 0, **rest)
+        if not isinstance(out, tuple):
+            return out * 0
+        if room.all_outputs:
+            return tuple(o * 0 for o in out)
+        return (out[0] * 0, *([None] * (len(out) - 1)))
     if room.varlen and x.device.type != "cpu" and uses_kernels(module):
         boundaries = {"cu_seqlens": plan.cu_seqlens, "seq_idx": plan.seq_idx}
         handed = {key: boundaries[what] for key, what in room.varlen.items()}

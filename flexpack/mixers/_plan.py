@@ -46,6 +46,8 @@ class DocumentPlan:
             segments of their own), for kernels' ``seq_idx``.
         cu_seqlens: (segments + 1,) int32 boundaries of the same segments, for ``cu_seqlens``.
         documents: number of real documents.
+        one_per_row: True when no row holds more than one document (padding aside): prompts,
+            which a module's own forward with a cache runs as they are.
     """
 
     B: int
@@ -55,6 +57,7 @@ class DocumentPlan:
     seq_idx: Tensor
     cu_seqlens: Tensor
     documents: int
+    one_per_row: bool = True
 
     @classmethod
     def from_doc_ids(cls, doc_ids: Tensor, pad_factor: float = PAD_FACTOR) -> DocumentPlan:
@@ -87,6 +90,8 @@ class DocumentPlan:
         seg = flat_change.cumsum(0) - 1
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), ends])
         n_docs = int(real.sum())
+        per_row = torch.bincount(starts[real] // max(S, 1), minlength=B) if B * S else None
+        one_per_row = per_row is None or int(per_row.max()) <= 1
         single = n_docs == B and bool(real.all()) and len(starts) == B
         groups = []
         if not single:
@@ -120,6 +125,7 @@ class DocumentPlan:
             seq_idx=seg.to(torch.int32).reshape(1, B * S).to(device),
             cu_seqlens=cu.to(torch.int32).to(device),
             documents=n_docs,
+            one_per_row=one_per_row,
         )
 
     def split(self, x: Tensor, group: int) -> Tensor:

@@ -1,0 +1,352 @@
+"""Red-team regressions (issue 37): silent edges of hybrid models and packed rows.
+
+Each test failed on the code before its fix: rows described by ``position_ids`` alone on models
+whose layers do not hand them to attention (Llama 4, ZAYA), caches beside padding-only rows,
+gradient checkpointing across two forwards, one id naming two runs of a row, tensor subclasses
+as doc ids, the router aux loss of packed SFT, and a property test of every mixer room on random
+layouts. Results are pinned against each document run alone; errors against the message a user
+needs.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexpack
+import flexpack.integrations.transformers  # registers the rooms' exact kinds
+import flexpack.mixers as fm
+
+transformers = pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _zoo  # noqa: E402
+from test_mixers import FAMILIES, _config  # noqa: E402
+
+# ----------------------------------------------------------------------------- 1. position_ids
+
+
+@pytest.mark.parametrize("model_type", ["llama4_text", "zaya"])
+def test_position_ids_only_rows_are_exact_where_layers_drop_them(model_type):
+    """A default DataCollatorWithFlattening batch: position_ids restart per document, no doc_ids.
+    Llama 4's decoder layer and ZAYA's model never hand position_ids to attention (leaked
+    0.2-3.8 before): the attention falls back to the model call's sources."""
+    model, reference = _zoo.build(model_type)
+    vocab = model.config.get_text_config().vocab_size
+    batch = flexpack.pack_sequences(_zoo.samples(vocab), _zoo.MAX_LEN)
+    spans = _zoo._spans(batch.doc_ids[0])
+    alone = _zoo._alone(reference, batch, spans)
+    with torch.no_grad():
+        out = model(
+            input_ids=batch.input_ids, position_ids=batch.position_ids.long(), use_cache=False
+        ).logits
+    for (a, b), want in zip(spans, alone, strict=True):
+        torch.testing.assert_close(out[0, a:b], want, rtol=0, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- 2. caches
+
+
+def _model(kind: str, attn_implementation: str = "eager", dtype=torch.float32):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(
+            _config(kind, attn_implementation), dtype=dtype
+        )
+    return model.eval()
+
+
+def _docs(lengths, seed: int = 0, vocab: int = 64) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
+
+
+def _rows_of(layout: list[list[int]], S: int, seed: int = 0):
+    """(input_ids, doc_ids, docs, spans) of rows given as per-row document lengths (right
+    padding; an empty row is all padding)."""
+    docs = _docs([n for row in layout for n in row], seed)
+    ids = torch.zeros(len(layout), S, dtype=torch.long)
+    doc_ids = torch.full((len(layout), S), -1, dtype=torch.int32)
+    spans, k = [], 0
+    for b, row in enumerate(layout):
+        at = 0
+        for j, n in enumerate(row):
+            ids[b, at : at + n] = docs[k]
+            doc_ids[b, at : at + n] = j
+            spans.append((b, at, at + n))
+            at, k = at + n, k + 1
+    return ids, doc_ids, docs, spans
+
+
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "mamba", "short_conv"])
+def test_a_cache_beside_a_padding_only_row_keeps_documents_apart(kind):
+    """transformers makes a cache whenever use_cache is left at its default; two documents in
+    one row beside an all-padding row are not prompts (leaked 8e-5..1.9e-2 in float64)."""
+    from flexpack.integrations.transformers import register
+
+    model = fm.adapt(_model(kind, register(), torch.float64))
+    reference = _model(kind, dtype=torch.float64)
+    ids, doc_ids, docs, spans = _rows_of([[7, 11], []], S=20)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "generation cannot continue from these rows"
+        out = model(input_ids=ids, doc_ids=doc_ids).logits
+        for (b, a, e), doc in zip(spans, docs, strict=True):
+            want = reference(input_ids=doc[None], use_cache=False).logits[0]
+            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- 7. all padding
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+def test_an_all_padding_batch_runs_and_gives_zeros_in_the_mixers(kind):
+    """A data-parallel rank's filler batch (doc_ids all -1) raised IndexError in the plan; it
+    runs, the mixers give zeros, and backward reaches the mixer's parameters (DDP needs it)."""
+    from flexpack.integrations.transformers import register
+
+    model = fm.adapt(_model(kind, register()))
+    mixer = model.get_submodule(f"model.layers.0.{FAMILIES[kind][2]}")
+    seen = []
+    hook = mixer.register_forward_hook(lambda m, a, out: seen.append(out))
+    ids = torch.randint(3, 64, (2, 12))
+    doc_ids = torch.full((2, 12), -1, dtype=torch.int32)
+    try:
+        out = model(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
+    finally:
+        hook.remove()
+    assert torch.isfinite(out).all()
+    first = seen[0] if isinstance(seen[0], torch.Tensor) else seen[0][0]
+    assert first.shape[:2] == (2, 12) and not first.any()
+    out.sum().backward()
+    assert any(p.grad is not None for p in mixer.parameters())
+
+
+# ----------------------------------------------------------------------------- 4. split runs
+
+SPLIT = [[0, 0, 0, 1, 1, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("kind", [None, "mamba", "short_conv"])
+def test_one_id_in_two_runs_of_a_row_is_refused_everywhere(kind):
+    """Attention, loss and the ring joined the runs into one document, the mixers restarted
+    their state at the second run (Mamba 5.8e-4 apart): one rule now, PackedLayout's."""
+    from flexpack.integrations.transformers import packed_causal_lm_loss, register
+
+    if kind is None:
+        model = _zoo.build("llama")[0]
+    else:
+        model = fm.adapt(_model(kind, register()))
+    doc_ids = torch.tensor(SPLIT)
+    ids = torch.randint(3, 64, doc_ids.shape)
+    match = r"doc_ids: doc id 0 names two separate runs of row 0 \(at positions 0 and 5"
+    with pytest.raises(ValueError, match=match):
+        model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
+    with pytest.raises(ValueError, match="Give each run its own id"):
+        packed_causal_lm_loss(model, {"input_ids": ids, "doc_ids": doc_ids, "labels": ids})
+    with pytest.raises(ValueError, match="seq_idx: doc id 0 names two separate runs"):
+        model(input_ids=ids, seq_idx=doc_ids, use_cache=False)
+    renumbered = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])  # the fix the message names
+    assert torch.isfinite(model(input_ids=ids, doc_ids=renumbered, use_cache=False).logits).all()
+
+
+# ----------------------------------------------------------------------------- 5. subclasses
+
+
+class _Ids(torch.Tensor):
+    """A tensor subclass a data pipeline might hand over as doc ids."""
+
+
+def test_a_write_through_data_on_a_tensor_subclass_is_seen():
+    """The cached mask was reused after ``ids.data[...] = ...`` on a subclass (0.79 off)."""
+    from flexpack.integrations.transformers import flexpack_attention_forward
+    from flexpack.testing.references import reference_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=g) for _ in range(3))
+    ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0]]).as_subclass(_Ids)
+    module = torch.nn.Module()
+    flexpack_attention_forward(module, q, k, v, None, doc_ids=ids)
+    ids.data[0, 4:] = 1  # no version bump
+    got, _ = flexpack_attention_forward(module, q, k, v, None, doc_ids=ids)
+    d = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    allowed = (d[:, None] == d[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
+    want = reference_attention(q, k, v, allowed[None, None])
+    torch.testing.assert_close(got.transpose(1, 2), want)
+
+
+# ----------------------------------------------------------------------------- 3. checkpointing
+
+
+def _two_forwards_grads(model, calls) -> dict[str, torch.Tensor]:
+    model.zero_grad()
+    total = sum(model(**kw).logits.sum() for kw in calls)
+    total.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("other", [(11, 7), (5, 4, 9)], ids=["same lengths", "other lengths"])
+def test_checkpointed_recompute_uses_its_own_forwards_documents(other):
+    """Two forwards then one backward under gradient checkpointing: the recompute planned its
+    documents from the latest call (Jamba's conv bias grad 17% off; other lengths: a raw
+    CheckpointError). Gradients equal the same forwards without checkpointing."""
+    from flexpack.integrations.transformers import register
+
+    model = fm.adapt(_model("mamba", register()))
+    model.train()
+    calls = []
+    for seed, layout in ((0, [[7, 11]]), (1, [list(other)])):
+        ids, doc_ids, _, _ = _rows_of(layout, S=20, seed=seed)
+        calls.append(dict(input_ids=ids, doc_ids=doc_ids, use_cache=False))
+    want = _two_forwards_grads(model, calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers' deprecation of the old name
+        model.gradient_checkpointing_enable()
+    got = _two_forwards_grads(model, calls)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ----------------------------------------------------------------------------- 6. router aux loss
+
+
+def test_packed_sft_with_a_router_aux_loss_warns_once():
+    """gpt-oss with output_router_logits=True (TRL's SFT defaults it on for MoE models): the
+    load-balancing loss is pooled over the packed rows, training differed with no word."""
+    from flexpack.integrations.transformers import packed_forward_kwargs
+
+    model = _zoo.build("gpt_oss")[0].train()
+    model.config.output_router_logits = True
+    batch = flexpack.pack_sequences(_zoo.samples(model.config.vocab_size), _zoo.MAX_LEN)
+    flat = dict(input_ids=batch.input_ids, position_ids=batch.position_ids.long(),
+                labels=batch.labels.long(), use_cache=False)  # fmt: skip
+    with pytest.warns(UserWarning, match=r"GptOssForCausalLM returns an MoE auxiliary loss") as w:
+        assert torch.isfinite(model(**flat).loss)
+    assert any("output_router_logits=False (or router_aux_loss_coef=0)" in str(x.message)
+               for x in w)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per model
+        model(**flat)
+        model(**packed_forward_kwargs(batch, labels=True, model=model))
+    model.config.output_router_logits = False
+    other = _zoo.build("gpt_oss")[0].train()  # no aux loss: nothing to say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        other(**packed_forward_kwargs(batch, labels=True, model=other))
+
+
+# ----------------------------------------------------------------------------- 8. property
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+S_PROP = 12  # fixed tiny shapes: two rows of 12 tokens
+_MIXERS: dict[str, tuple] = {}
+
+
+def _mixer_of(kind: str):
+    """(float64 model, its mixer, extra kwargs, positional args, float32 model) of a kind's tiny
+    models, adapted (MoE experts refuse float64 matmuls: the whole model runs in float32)."""
+    if kind not in _MIXERS:
+        model = fm.adapt(_model(kind, dtype=torch.float64))
+        mixer = model.get_submodule(f"model.layers.0.{FAMILIES[kind][2]}")
+        args, extra = (), {"attention_mask": None}
+        if kind == "lightning_attention":
+            extra["position_embeddings"] = None
+        if kind == "cca_projection":
+            extra, args = {}, (None,)
+        _MIXERS[kind] = (model, mixer, extra, args, fm.adapt(_model(kind)))
+    return _MIXERS[kind]
+
+
+@st.composite
+def layouts(draw):
+    """Per row: document lengths filling at most S_PROP tokens (an empty row is padding); maybe
+    one id reused for two runs of a row."""
+    rows = []
+    for _ in range(2):
+        lengths, left = [], S_PROP
+        while left and draw(st.booleans()):
+            n = draw(st.integers(1, left))
+            lengths.append(n)
+            left -= n
+        rows.append(lengths)
+    return rows, draw(st.booleans())
+
+
+@pytest.mark.parametrize("kind", sorted(FAMILIES))
+@settings(max_examples=6, deadline=None)
+@given(layout=layouts())
+def test_every_room_on_random_layouts_equals_each_document_alone(kind, layout):
+    """Random rows (padding rows, all padding, documents split into runs of one id): each
+    document's outputs equal the document alone (float64), padding gives zeros, an id naming
+    two runs is refused; and the whole model gives the same logits with a cache as without."""
+    rows, split = layout
+    model, mixer, extra, args, whole = _mixer_of(kind)
+    ids, doc_ids, _, spans = _rows_of(rows, S=S_PROP)
+    g = torch.Generator().manual_seed(len(spans))
+    x = torch.randn(2, S_PROP, model.config.hidden_size, generator=g, dtype=torch.float64)
+    row = next((b for b in range(2) if sum(s[0] == b for s in spans) >= 3), None)
+    if split and row is not None:  # the row's last document takes its first one's id
+        last = max((s for s in spans if s[0] == row), key=lambda s: s[1])
+        doc_ids[row, last[1] : last[2]] = 0
+        with pytest.raises(ValueError, match=f"two separate runs of row {row}"):
+            mixer(x, *args, doc_ids=doc_ids, **extra)
+        return
+    with torch.no_grad():
+        out = mixer(x, *args, doc_ids=doc_ids, **extra)
+        out = out if kind == "cca_projection" else (_first(out),)
+        for b, a, e in spans:
+            alone = type(mixer).forward(mixer, x[b : b + 1, a:e], *args, **extra)
+            alone = alone if kind == "cca_projection" else (_first(alone),)
+            for got, want in zip(out, alone, strict=True):
+                torch.testing.assert_close(got[b, a:e], want[0], rtol=0, atol=1e-10)
+        assert not any(o[doc_ids < 0].any() for o in out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # packed rows with a cache: "cannot continue"
+            cached = whole(input_ids=ids, doc_ids=doc_ids, use_cache=True).logits
+        plain = whole(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
+    real = doc_ids >= 0
+    torch.testing.assert_close(cached[real], plain[real], rtol=0, atol=1e-6)
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+# ----------------------------------------------------------------------------- 7. the rest
+
+
+def test_mrope_position_ids_without_doc_ids_into_a_text_model():
+    """3-D (mRoPE) position_ids (3, B, S) without doc_ids: a raw `expand` RuntimeError before;
+    the first (temporal) row of positions starts the documents."""
+    from flexpack.integrations.transformers import register
+
+    model = _model("gated_delta_rule", register())
+    reference = _model("gated_delta_rule")
+    ids, _, docs, spans = _rows_of([[7, 11]], S=18)
+    pos = torch.cat([torch.arange(7), torch.arange(11)])[None]  # (1, S)
+    with torch.no_grad():
+        out = model.model(input_ids=ids, position_ids=pos.expand(3, 1, -1), use_cache=False)
+        for (b, a, e), doc in zip(spans, docs, strict=True):
+            want = reference.model(input_ids=doc[None], use_cache=False).last_hidden_state[0]
+            torch.testing.assert_close(out.last_hidden_state[b, a:e], want, rtol=0, atol=1e-4)
+
+
+def test_swap_tensors_on_doc_ids_after_clear_caches():
+    """flexpack's caches hold weak references to the ids they stamped, which
+    torch.utils.swap_tensors refuses; flexpack.clear_caches() lets them go."""
+    from flexpack.integrations.transformers import register
+
+    model = _model("short_conv", register())
+    ids, doc_ids, _, _ = _rows_of([[7, 11]], S=18)
+    with torch.no_grad():
+        model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
+    flexpack.clear_caches()
+    other = torch.zeros_like(doc_ids)
+    torch.utils.swap_tensors(doc_ids, other)
+    assert not doc_ids.any()
