@@ -4,33 +4,49 @@ Made for a short GPU loan (15 minutes of device time, machine start included; on
 ``$OUT`` come back): one command, ``PYTHONUNBUFFERED=1 PYTHONPATH=. python3 bench/gpu.py``, runs
 everything in order of value inside a 390 s budget and writes ``$OUT/gpu.md`` (rewritten after
 every row, so a crash or a time-out keeps what finished) with the log ``$OUT/gpu.log`` beside
-it; without $OUT, ``bench/results/gpu.md`` (``gpu-quick.md`` with ``--quick``). Every check and
-every timing row runs in its own ``try`` (a failure marks its line or row, and the run goes on).
-The budget (``--quick``: 225 s; full run: 390 s; ``--budget``) is printed with the plan and an
-estimate per step at the start, checked before every step, and enforced by an alarm inside one:
-what does not fit is skipped and listed in the report. The budget's stop is a stop, never a
-failure: once it is spent, any exception (dynamo wraps the alarm's in InternalTorchDynamoError,
-TorchRuntimeError, BackendCompilerFailed) ends the run cleanly. The flex compile estimate (25 s)
-is replaced by the first compile measured. Runs from a plain checkout with torch, numpy and
-nothing else.
+it; without $OUT, ``bench/results/gpu.md`` (``gpu-quick.md`` with ``--quick``). The log holds
+stdout and file descriptor 2 (Python's stderr, torch's logging, and the C compiler that triton
+calls, whose errors reach nothing else), and the whole exception chain of every FAIL
+(``traceback.format_exception`` with its causes, and the ``inner_exception`` that dynamo's
+``BackendCompilerFailed`` keeps after raising ``from None``). Every check and every timing row
+runs in its own ``try`` (a failure marks its line or row, and the run goes on). The budget
+(``--quick``: 225 s; full run: 390 s; ``--budget``) is printed with the plan and an estimate per
+step at the start, checked before every step, and enforced by an alarm inside one: what does not
+fit is skipped and listed in the report. The budget's stop is a stop, never a failure: once it is
+spent, any exception (dynamo wraps the alarm's in InternalTorchDynamoError, TorchRuntimeError,
+BackendCompilerFailed) ends the run cleanly. The flex compile estimate (25 s) is replaced by the
+second compile measured (the first includes inductor's one-time warm-up). After the last write
+(report and log flushed and fsynced) the command ends with ``os._exit``, so that a compile cut by
+the budget (inductor's worker processes, threads) cannot hold the process. Runs from a plain
+checkout with torch, numpy and nothing else.
 
-Plan (:func:`run_plan`), in order:
+Preflight (:func:`preflight`, ~5 s, its result the first lines of the report): the C compiler
+triton calls (``$CC``, else gcc, else clang), ``Python.h`` in sysconfig's include dir, libcuda
+(``ctypes.util.find_library`` or ``torch.cuda.is_available()``), and one trivial triton kernel
+compiled and run (skipped where triton is not installed). When it fails, no flex compile is
+attempted: the flex checks and rows are skipped and named, and the budget goes to the varlen and
+SDPA rows.
+
+Plan (:func:`run_plan`), in order of value:
 
 1. Correctness, bf16 (S=1000, a lognormal layout with padding and a row of arbitrary repeated
    ids, GQA): ``flexpack.attention`` with backend "varlen", "auto", "sdpa", "flex", outputs and
    q/k/v gradients against a float64 per-document reference (bf16 < 1e-2), padding rows exactly
    0; a sliding window on flex and on auto (varlen's ``window_size=(W, 0)``), fp32 GQA causal
-   SDPA (not the math kernel), and 0 recompiles of flex for a new layout or a new window. The
-   reference takes the inputs rounded to the kernel's dtype.
+   SDPA (not the math kernel). The reference takes the inputs rounded to the kernel's dtype.
 2. Speed, document-causal, B=1, H=16, lognormal documents (median 1024, sigma 1), bf16, at
-   S=8K and 32K and D=128 then 64: flexpack flex against ``varlen_attn`` on pre-unpadded tokens
-   (at D=128 also flexpack auto, SDPA with a dense (S, S) mask and SDPA causal without a
-   document mask, a speed anchor only). Each SDPA row notes the backend that ran.
+   S=8K and 32K, D=128: flexpack flex, flexpack auto and ``varlen_attn`` on pre-unpadded tokens
+   (auto and varlen timed interleaved, call for call, so that drift does not decide the 98%
+   target), SDPA with a dense (S, S) mask and SDPA causal without a document mask (a speed anchor
+   only). Each SDPA row notes the backend that ran.
 3. Tree masks (GRPO-like trees: a prompt and 8 completions, repeated) and window masks
    (document_causal & sliding_window(1024), documents of median 4096) at 32K: flex against the
    per-segment SDPA path, and against varlen with the window.
-4. S=128K (no dense mask: ~48 GiB; torch 2.13's efficient kernel is wrong past row 2^32 / S).
-5. The other checks: fp32 flex / auto / sdpa (< 1e-5), head dim 8 (flex pads it to 16), a
+4. Attention sinks (flex with its LSE; tolerance from a bf16 error model, :func:`sink_tolerances`)
+   and 0 recompiles of flex for a new layout or a new window.
+5. D=64 at 8K and 32K: flex against varlen.
+6. S=128K (no dense mask: ~48 GiB; torch 2.13's efficient kernel is wrong past row 2^32 / S).
+7. The other checks: fp32 flex / auto / sdpa (< 1e-5), head dim 8 (flex pads it to 16), a
    BlockMask of 64-token blocks (rebuilt at 128).
 
 At least 5 timed repetitions (more while under ~1 s per phase). TFLOP/s count only unmasked
@@ -45,20 +61,26 @@ targets, and writes under a fresh temp dir unless ``--out`` is given; the CPU su
 ``main`` on a faked CUDA device (tests/test_fake_cuda_paths.py).
 
 Usage: python bench/gpu.py [--quick] [--skip-checks] [--sizes 8192 32768 131072]
-                           [--dims 128 64] [--out FILE] [--budget S]
+                           [--dims 128 64] [--out FILE] [--budget S] [--skip-preflight]
        python bench/gpu.py --dry-run
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib
 import math
 import os
+import shutil
 import signal
 import sys
+import sysconfig
 import tempfile
+import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -125,6 +147,231 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want.detach()).abs().max() / want.detach().abs().max().clamp(min=0.1))
 
 
+BF16_U = 2.0**-8  # bf16's unit roundoff: 8 significant bits, rounding to nearest
+
+
+def sink_tolerances(q, k, v, allowed, sinks, cot, *, u: float = BF16_U) -> dict[str, float]:
+    """Tolerances of the bf16 sinks check for "out" and "dv", in :func:`rel_err`'s units, from
+    an error model of what the GPU computes (not a margin picked from one run).
+
+    Args:
+        q: (B, Hq, S, D) float64; k, v: (B, Hkv, S, D) float64 (the bf16-rounded inputs).
+        allowed: (B or 1, 1, S, S) bool, the mask's dense twin.
+        sinks: (Hq,) float64 sink logits.
+        cot: (B, Hq, S, D) float64, the cotangent of the output.
+
+    The model, first order in u = 2**-8 (bf16's unit roundoff; fp32 accumulation and exp,
+    ~2**-24 per operation, are left out). With o = P V the flex output over the real keys,
+    w = sigmoid(lse - sink) and P' = w P the probabilities with the sink column (whose value is
+    0: it adds no |p v| term, only roundings), out = w o = P' V, and each rounding to bf16 costs
+    at most u times its value:
+
+    - out: flex rounds P before P @ V and rounds o, each u |P'| |V| once scaled by w; then the
+      sink term: w rounded to bf16 and the product o * w rounded, u |out| each. So
+      |d out| <= u (2 |P'| |V| + 2 |out|), element by element.
+    - dv = P'^T dout (GQA: summed over the group): dout, dout * w, P and dv rounded, so
+      |d dv| <= 4 u |P'|^T |dout|.
+
+    A bound that holds element by element bounds the max: the tolerance is the max of the bound
+    over :func:`rel_err`'s denominator (max |want|, floored at 0.1). dq and dk keep the plain
+    bf16 tolerance: their worst case, 5 u scale (P' * (|dout| |V|^T + |rowsum(dout * out)|)) |K|,
+    adds magnitudes that cancel in dq and comes to 0.1-0.3 of max |dq| here, too loose to check
+    anything.
+    """
+    rep = q.shape[1] // k.shape[1]
+    kr, vr = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)  # (B, Hq, S, D)
+    s = (q @ kr.transpose(-1, -2) * q.shape[-1] ** -0.5).masked_fill(~allowed, -math.inf)
+    sink = sinks.view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+    p = torch.softmax(torch.cat([s, sink], -1), -1)[..., :-1]  # (B, Hq, S, S) P': sink left out
+    out = p @ vr
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # (B, Hq, S, D) -> (B, Hkv, S, D)
+        return x.unflatten(1, (-1, rep)).sum(2)
+
+    want = {"out": out, "dv": grouped(p.transpose(-1, -2) @ cot)}
+    bound = {
+        "out": u * (2 * (p @ vr.abs()) + 2 * out.abs()),
+        "dv": 4 * u * grouped(p.transpose(-1, -2) @ cot.abs()),
+    }
+    return {n: float(bound[n].max() / want[n].abs().max().clamp(min=0.1)) for n in want}
+
+
+# --------------------------------------------------------------------------- preflight
+
+
+PREFLIGHT_S = 5.0  # the preflight's limit; the triton kernel gets what the probes before it left
+tl = None  # triton.language, once probe_triton has imported it (triton is optional here)
+
+
+@dataclass
+class Probe:
+    """One preflight probe: ``status`` "ok", "FAIL" or "skip" (could not be tried: not a
+    failure), and what it found or what to do."""
+
+    name: str
+    status: str
+    detail: str
+
+    @property
+    def line(self) -> str:
+        return f"  {self.status:<4} {self.name}: {self.detail}"
+
+
+@dataclass
+class Preflight:
+    """The preflight's probes; ``ok`` when none failed (flex compiles go ahead)."""
+
+    probes: list[Probe] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(p.status != "FAIL" for p in self.probes)
+
+    def lines(self) -> list[str]:
+        verdict = (
+            "ok: flex compiles go ahead"
+            if self.ok
+            else "FAILED: no flex compile is attempted; the budget goes to the varlen and SDPA "
+            "rows (flex checks and rows are skipped and named)"
+        )
+        return [f"Preflight ({self.seconds:.1f} s): {verdict}", *(p.line for p in self.probes)]
+
+
+def probe_compiler() -> Probe:
+    """The C compiler triton builds its launchers with: ``$CC``, else gcc, else clang (triton's
+    own order; a bare ``cc`` is not looked for)."""
+    name = "C compiler (triton: $CC, else gcc, else clang)"
+    cc = os.environ.get("CC")
+    if cc:
+        found = shutil.which(cc.split()[0])
+        if found is None:
+            return Probe(name, "FAIL", f"CC={cc!r} is not on PATH: set CC to a C compiler")
+        return Probe(name, "ok", f"CC={cc} ({found})")
+    for candidate in ("gcc", "clang"):
+        found = shutil.which(candidate)
+        if found:
+            return Probe(name, "ok", found)
+    cc = shutil.which("cc")
+    if cc:
+        return Probe(name, "FAIL", f"only {cc}, which triton does not look for: set CC={cc}")
+    return Probe(name, "FAIL", "none found (no CC, gcc, clang or cc): install gcc or set CC")
+
+
+def probe_python_h() -> Probe:
+    """``Python.h`` in the include dir triton passes to the compiler (sysconfig's, with triton's
+    posix_local -> posix_prefix substitution)."""
+    scheme = sysconfig.get_default_scheme()
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme
+    include = sysconfig.get_paths(scheme=scheme)["include"]
+    header = Path(include) / "Python.h"
+    if header.is_file():
+        return Probe("Python.h", "ok", str(header))
+    return Probe(
+        "Python.h",
+        "FAIL",
+        f"not in {include}: install this Python's headers (python3-dev) or point CC at an "
+        "include dir",
+    )
+
+
+def probe_libcuda() -> Probe:
+    """libcuda, the driver triton loads: ``ctypes.util.find_library("cuda")``, or CUDA already
+    initialised by torch (which loaded it)."""
+    import ctypes.util
+
+    found = ctypes.util.find_library("cuda")
+    if found:
+        return Probe("libcuda", "ok", found)
+    try:
+        available = torch.cuda.is_available()
+    except Exception as err:
+        return Probe("libcuda", "FAIL", f"not found, and torch.cuda says {summary(err)}")
+    if available:
+        return Probe("libcuda", "ok", "torch.cuda is available (ldconfig does not list it)")
+    return Probe("libcuda", "FAIL", "ctypes.util.find_library('cuda') and torch.cuda: none")
+
+
+def probe_triton(device: torch.device, seconds: float) -> Probe:
+    """One trivial triton kernel compiled and run on ``device`` within ``seconds`` (what every
+    flex compile needs: the compiler, Python.h, ptxas, libcuda, a launch). Triton missing: a
+    skip, not a failure. Its time is not lost: the driver and launcher builds are cached for
+    the flex compiles after it."""
+    global tl
+    name = "triton kernel"
+    try:
+        import triton
+
+        tl = importlib.import_module("triton.language")  # a global: every triton reads those
+    except ImportError as err:
+        return Probe(name, "skip", f"triton not importable ({summary(err)})")
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    t0 = time.perf_counter()
+    try:
+        with _alarm_after(seconds):
+            x = torch.zeros(100, device=device)
+            add_one[(1,)](x, 100, BLOCK=128)
+            got = float(x.sum())
+    except Exception as err:
+        log_failure("preflight: triton kernel", err)
+        return Probe(name, "FAIL", f"triton {triton.__version__}: {summary(err)[:240]}")
+    if got != 100.0:
+        return Probe(name, "FAIL", f"triton {triton.__version__}: ran, summed {got}, not 100")
+    return Probe(
+        name, "ok", f"triton {triton.__version__}: compiled and ran in "
+        f"{time.perf_counter() - t0:.1f} s",
+    )  # fmt: skip
+
+
+class PreflightTimeout(Exception):
+    """The preflight ran past its limit."""
+
+
+@contextlib.contextmanager
+def _alarm_after(seconds: float):
+    """Raise :class:`PreflightTimeout` in the block after ``seconds`` (real clock only: with a
+    test's clock, or without setitimer, no alarm)."""
+    if not (hasattr(signal, "setitimer") and _CLOCK is time.perf_counter):
+        yield
+        return
+    if seconds <= 0:
+        raise PreflightTimeout("no time left of the preflight's limit")
+
+    def fire(signum, frame):
+        raise PreflightTimeout(f"did not finish inside the preflight's {PREFLIGHT_S:g} s")
+
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+def preflight(device: torch.device, *, seconds: float = PREFLIGHT_S) -> Preflight:
+    """What a flex compile needs, probed in a few seconds before the budget goes to it (see
+    the module docstring). On CPU (a dry run) libcuda and the triton kernel are skipped."""
+    t0 = time.perf_counter()
+    result = Preflight()
+    for probe in (probe_compiler, probe_python_h):
+        result.probes.append(probe())
+    if device.type == "cuda":
+        result.probes.append(probe_libcuda())
+        result.probes.append(probe_triton(device, seconds - (time.perf_counter() - t0)))
+    else:
+        result.probes.append(Probe("libcuda, triton kernel", "skip", "not on CUDA (dry run)"))
+    result.seconds = time.perf_counter() - t0
+    for line in result.lines():
+        print(line, flush=True)
+    return result
+
+
 # --------------------------------------------------------------------------- correctness
 
 
@@ -179,8 +426,9 @@ class Budget:
     ``left()`` is what remains; ``fits(estimate)`` whether a step of ``estimate`` seconds fits.
     With a budget, a SIGALRM at the deadline interrupts a step that overruns its estimate
     (a compile slower than expected): it fails with :class:`OutOfTime` and the run reports.
-    ``compile_s`` is the estimate of one flex compile: :data:`COMPILE_S` until the first compile
-    is measured, that measurement after.
+    ``compile_s`` is the estimate of one flex compile: :data:`COMPILE_S` until the second compile
+    is measured, that measurement after (the first pays inductor's one-time warm-up: imports,
+    triton's driver build, the autotuning cache, so it overstates every later compile).
     """
 
     def __init__(self, seconds: float | None) -> None:
@@ -190,7 +438,7 @@ class Budget:
         self.skipped: list[str] = []
         self.fired = False  # the alarm went off: every later exception is the budget's stop
         self.compile_s = COMPILE_S
-        self.compile_measured = False
+        self.compiles_measured: list[float] = []  # seconds per compile, in the order measured
 
     def elapsed(self) -> float:
         return self.clock() - self.t0
@@ -211,14 +459,22 @@ class Budget:
         return note
 
     def measured_compile(self, seconds: float, compiles: int) -> None:
-        """Take the first measured compile as the estimate of every later one."""
-        if self.compile_measured or compiles <= 0:
+        """Take the second measured compile as the estimate of every later one (the first
+        includes inductor's warm-up)."""
+        if compiles <= 0 or len(self.compiles_measured) >= 2:
             return
-        self.compile_measured = True
-        was, self.compile_s = self.compile_s, max(1.0, seconds / compiles)
+        self.compiles_measured.append(max(1.0, seconds / compiles))
+        if len(self.compiles_measured) == 1:
+            print(
+                f"  (first flex compile measured: ~{self.compiles_measured[0]:.0f} s with "
+                f"inductor's warm-up; estimates keep {self.compile_s:.0f} s until the second)",
+                flush=True,
+            )
+            return
+        was, self.compile_s = self.compile_s, self.compiles_measured[1]
         print(
-            f"  (first flex compile measured: ~{self.compile_s:.0f} s, the plan assumed "
-            f"{was:.0f} s; later estimates use the measurement)",
+            f"  (second flex compile measured: ~{self.compile_s:.0f} s, the plan assumed "
+            f"{was:.0f} s; later estimates use it)",
             flush=True,
         )
 
@@ -266,13 +522,9 @@ def budget_stop(err: BaseException) -> bool:
     sometimes keeping it only as a cause, sometimes only in its message. So an OutOfTime anywhere
     in the chain, and any exception at all once the budget is spent, is a stop.
     """
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:
+    for e in linked_exceptions(err):
         if isinstance(e, OutOfTime) or "time budget ran out" in str(e):
             return True
-        seen.add(id(e))
-        e = e.__cause__ or e.__context__
     return _ACTIVE is not None and _ACTIVE.spent()
 
 
@@ -284,23 +536,183 @@ def _stop_if_budget(err: BaseException) -> None:
         raise OutOfTime(f"the run's time budget ran out ({type(err).__name__})") from err
 
 
+# --------------------------------------------------------------------------- failures, the log
+
+
+def linked_exceptions(err: BaseException) -> list[BaseException]:
+    """``err`` and every exception linked to it: ``__cause__``, ``__context__`` (suppressed or
+    not) and dynamo's ``inner_exception`` (``BackendCompilerFailed`` raises ``from None``, so the
+    compiler's own exception is reachable only there), each once, depth first."""
+    out: list[BaseException] = []
+    todo: list[BaseException] = [err]
+    while todo:
+        e = todo.pop()
+        if any(e is seen for seen in out):
+            continue
+        out.append(e)
+        for nxt in (getattr(e, "inner_exception", None), e.__context__, e.__cause__):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+    return out
+
+
+def exception_chain(err: BaseException) -> str:
+    """The whole chain of ``err`` as Python prints it (``traceback.format_exception``: causes
+    and contexts), then that of each ``inner_exception`` it did not print."""
+    parts: list[str] = []
+    printed: list[BaseException] = []
+
+    def shown(e: BaseException) -> list[BaseException]:  # what format_exception prints of e
+        out = []
+        while e is not None and not any(e is x for x in out):
+            out.append(e)
+            e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
+        return out
+
+    for e in linked_exceptions(err):
+        if any(e is x for x in printed):
+            continue
+        if parts:
+            parts.append(
+                "\n(linked but not printed above, e.g. dynamo's inner_exception, raised `from "
+                "None`:)\n"
+            )
+        parts.append("".join(traceback.format_exception(e)))
+        printed += shown(e)
+    return "".join(parts)
+
+
+def summary(err: BaseException) -> str:
+    """``Type: first line`` of ``err``, with the next line when the first only introduces it
+    (``BackendCompilerFailed: backend='inductor' raised:`` names the real error on line 2)."""
+    lines = [x.strip() for x in str(err).strip().splitlines() if x.strip()]
+    text = lines[0] if lines else ""
+    if text.endswith(":") and len(lines) > 1:
+        text += " " + lines[1]
+    return f"{type(err).__name__}: {text}"
+
+
+class _Log:
+    """The log file beside the report: stdout and file descriptor 2 go to it (their writers
+    share the lock), and every failure's exception chain (:func:`log_failure`)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.file = open(path, "w", encoding="utf-8", errors="replace")
+        self.lock = threading.Lock()
+
+    def write(self, text: str) -> None:
+        with self.lock:
+            if not self.file.closed:
+                self.file.write(text)
+                self.file.flush()
+
+    def close(self) -> None:
+        """Flush, fsync and close: what the machine sends back is what reached the disk."""
+        with self.lock:
+            if self.file.closed:
+                return
+            self.file.flush()
+            with contextlib.suppress(OSError):
+                os.fsync(self.file.fileno())
+            self.file.close()
+
+
+_LOG: _Log | None = None  # the log of the run in progress (main)
+
+
+def log_failure(what: str, err: BaseException) -> None:
+    """Write the whole exception chain of a FAIL into the log (the console gets one line; the
+    report gets :func:`summary`). Without a log, the chain goes to stdout."""
+    text = (
+        f"\n----- FAIL {what.strip()}: the exception chain\n{exception_chain(err)}"
+        f"----- end of {what.strip()}\n"
+    )
+    if _LOG is None:
+        print(text, flush=True)
+        return
+    _LOG.write(text)
+    print(f"  (the exception chain of {what.strip()!r} is in {_LOG.path.name})", flush=True)
+
+
+class _Tee:
+    """stdout that is also written to the log."""
+
+    def __init__(self, stream, log: _Log) -> None:
+        self.stream, self.log = stream, log
+
+    def write(self, text: str) -> int:
+        self.log.write(text)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
+class _Fd2Tee:
+    """File descriptor 2 copied into the log as well as to where it went: a pipe in its place and
+    a thread that forwards. What writes there without Python's sys.stderr (gcc called by triton,
+    torch's logging handlers made at import, ptxas) reaches the log this way only.
+
+    ``close()`` puts fd 2 back and waits a moment for the thread; a process that inherited the
+    pipe (an inductor compile worker) may keep it open, so the thread is a daemon that keeps
+    forwarding to the original fd 2 after the log is closed."""
+
+    def __init__(self, log: _Log) -> None:
+        self.log = log
+        sys.stderr.flush()
+        self.saved = os.dup(2)
+        self.read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self.thread = threading.Thread(target=self._forward, name="gpu.py fd 2 tee", daemon=True)
+        self.thread.start()
+
+    def _forward(self) -> None:
+        while True:
+            try:
+                data = os.read(self.read_fd, 65536)
+            except OSError:
+                return
+            if not data:
+                return
+            with contextlib.suppress(OSError):
+                os.write(self.saved, data)
+            self.log.write(data.decode("utf-8", errors="replace"))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(self.saved, 2)  # our end of the pipe closes here: the thread reads to its end
+        self.thread.join(timeout=2.0)
+        if not self.thread.is_alive():
+            os.close(self.read_fd)
+            os.close(self.saved)
+
+
 # Rough costs on an H100/H200 with torch 2.11-2.13, for the budget and the compile estimate:
 # a new compiled flex graph (forward + backward) and a correctness check once compiled. The
-# first compile measured replaces COMPILE_S (Budget.measured_compile).
+# second compile measured replaces COMPILE_S (Budget.measured_compile).
 COMPILE_S = 25.0
-_TRACEBACKS = False  # print the traceback of a failed check (tests, debugging)
 CHECK_S = 2.0
 
 
 @dataclass
 class Check:
     """One correctness check: ``run()`` adds its line to the Checks; ``compiles`` new flex
-    graphs it is expected to compile (for the estimate and the budget)."""
+    graphs it is expected to compile (for the estimate and the budget); ``flex``: it runs
+    compiled flex on CUDA (skipped when the preflight failed); ``group``: where
+    :func:`run_plan` puts it ("first": the bf16 paths; "sinks": sinks and recompiles, after
+    the tree and window rows; "other": fp32, head dim 8, 64-token blocks, last)."""
 
     name: str
     run: Callable[[], None]
     compiles: int = 0
-    late: bool = False  # run after the 8K-32K timings (fp32, head dim 8): less telling
+    flex: bool = False
+    group: str = "first"
 
     def estimate(self, compile_s: float = COMPILE_S) -> float:
         return CHECK_S + compile_s * self.compiles
@@ -335,8 +747,10 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
     def per_doc(q, k, v):
         return per_document_reference(q, k, v, doc_ids_cpu())
 
-    def check(name, base, run, want_fn, dtype, grad, pad=None):
-        """One path: run(q, k, v) against want_fn(q, k, v) in float64 on the rounded inputs."""
+    def check(name, base, run, want_fn, dtype, grad, pad=None, tol_fn=None):
+        """One path: run(q, k, v) against want_fn(q, k, v) in float64 on the rounded inputs.
+        ``tol_fn(q, k, v, cot)`` (float64 leaves, the output's cotangent) gives tolerances
+        by name ("out", "dq", "dk", "dv"); the others, 1e-2 in bf16, 1e-5 else."""
         try:
             base = base() if callable(base) else base
             # The reference sees what the kernel sees: the inputs rounded to its dtype.
@@ -344,6 +758,7 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             want = want_fn(*leaves)
             cot = torch.randn(want.shape, generator=g, dtype=torch.float64)
             tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            tols = tol_fn(*(x.detach() for x in leaves), cot) if tol_fn is not None else {}
             q, k, v = (x.to(device, dtype).requires_grad_(grad) for x in base)
             out = run(q, k, v)
             errs = {"out": rel_err(out.cpu(), want)}
@@ -354,23 +769,22 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
                     errs[f"d{n}"] = rel_err(gr.cpu(), gw)
                     if not torch.isfinite(gr).all():
                         errs[f"d{n}"] = math.inf
-            worst = max(errs.values())
-            detail = " ".join(f"{n} {e:.1e}" for n, e in errs.items())
-            ok = worst < tol
+            if tols:
+                tols = {n: tols.get(n, tol) for n in errs}
+                ok = all(e < tols[n] for n, e in errs.items())
+                detail = " ".join(f"{n} {e:.1e} (< {tols[n]:.1e})" for n, e in errs.items())
+            else:
+                ok = max(errs.values()) < tol
+                detail = " ".join(f"{n} {e:.1e}" for n, e in errs.items()) + f" (< {tol:g})"
             if pad is not None:
                 pad_zero = bool((out.detach().cpu().transpose(1, 2)[pad] == 0).all())
                 ok &= pad_zero
-                detail += f" (< {tol:g}), pad 0: {pad_zero}"
-            else:
-                detail += f" (< {tol:g})"
+                detail += f", pad 0: {pad_zero}"
             checks.add(name, ok, detail)
         except Exception as err:  # report every path, then go on
             _stop_if_budget(err)
-            if _TRACEBACKS:
-                import traceback
-
-                traceback.print_exc()
-            checks.add(name, False, f"{type(err).__name__}: {str(err).splitlines()[0][:200]}")
+            log_failure(name, err)
+            checks.add(name, False, summary(err)[:240])
         finally:
             _empty_cache(device)
 
@@ -394,17 +808,18 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
                 (doc_ids_cpu() < 0),
             )
 
-        return Check(name, run, compiles=int(backend == "flex"))
+        # auto runs flex on CUDA in fp32 (varlen takes half precision only)
+        flex = backend == "flex" or (backend == "auto" and dtype == fp32)
+        return Check(name, run, compiles=int(backend == "flex"), flex=flex)
 
     # bf16 first: what a training run uses. varlen is CUDA only.
     for backend in ["varlen", "auto", "sdpa", "flex"]:
         if backend == "varlen" and dry_run:
             continue
         plan.append(backend_check(backend, bf16))
-    for backend in ["flex", "auto", "sdpa"]:  # fp32 (auto: flex on CUDA)
-        plan.append(backend_check(backend, fp32))
-        plan[-1].late = True
-    plan[-3].compiles = 1  # fp32 flex: a configuration of its own (auto fp32 then reuses it)
+    fp32_checks = [backend_check(backend, fp32) for backend in ["flex", "auto", "sdpa"]]
+    for c in fp32_checks:  # fp32 flex: a configuration of its own (auto fp32 then reuses it)
+        c.group = "other"
 
     grad = not dry_run
 
@@ -476,6 +891,10 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             allowed = references.dense_mask(cpu_mask, device="cpu")
             return dense_sink_attention(q, k, v, allowed, logits.double(), scale=None)
 
+        def tolerances(q, k, v, cot):
+            allowed = references.dense_mask(cpu_mask, device="cpu")
+            return sink_tolerances(q, k, v, allowed, logits.double(), cot)
+
         check(
             "flex   attention sinks (LSE)",
             inputs,
@@ -485,6 +904,7 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             want,
             bf16,
             grad,
+            tol_fn=tolerances,
         )
 
     def recompiles():
@@ -521,28 +941,52 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             checks.add("flex recompiles for 2 new windows", new == 0, f"{new} new graphs")
         except Exception as err:
             _stop_if_budget(err)
-            checks.add("flex recompiles", False, f"{type(err).__name__}: {str(err)[:200]}")
+            log_failure("flex recompiles", err)
+            checks.add("flex recompiles", False, summary(err)[:240])
         finally:
             _empty_cache(device)
 
     plan += [
-        Check("flex   head dim 8 (padded to 16 on CUDA)", head_dim_8, compiles=1, late=True),
-        Check("flex   sliding window", window("flex"), compiles=1),
+        Check("flex   sliding window", window("flex"), compiles=1, flex=True),
         # auto: varlen with window_size=(W, 0) on CUDA (the row's documents are contiguous)
         Check("auto   sliding window", window("auto"), compiles=0),
-        # A BlockMask runs at its own shape (S=1000, not a bucket): a graph of its own.
-        Check("flex   BlockMask of 64-token blocks", blocks64, compiles=1, late=True),
         Check("sdpa   causal fp32 GQA", causal_fp32, compiles=0),
-        Check("flex   attention sinks (LSE)", sinks, compiles=1),
+        Check("flex   attention sinks (LSE)", sinks, compiles=1, flex=True, group="sinks"),
         # New layouts and windows at the shapes of the checks above: no new graph.
-        Check("flex recompiles (new layouts, new windows)", recompiles, compiles=0),
+        Check(
+            "flex recompiles (new layouts, new windows)",
+            recompiles,
+            compiles=0,
+            flex=True,
+            group="sinks",
+        ),
+        *fp32_checks,
+        Check(
+            "flex   head dim 8 (padded to 16 on CUDA)",
+            head_dim_8,
+            compiles=1,
+            flex=True,
+            group="other",
+        ),
+        # A BlockMask runs at its own shape (S=1000, not a bucket): a graph of its own.
+        Check(
+            "flex   BlockMask of 64-token blocks", blocks64, compiles=1, flex=True, group="other"
+        ),
     ]
     return plan
 
 
-def run_checks(steps: list[Check], checks: Checks, budget: Budget) -> None:
-    """Run the steps that fit the budget; a failure marks its line and the next step runs."""
+NO_FLEX = "skipped: the preflight failed, no flex compile attempted"
+
+
+def run_checks(steps: list[Check], checks: Checks, budget: Budget, *, flex: bool = True) -> None:
+    """Run the steps that fit the budget; a failure marks its line and the next step runs.
+    ``flex=False`` (a failed preflight) skips the steps that compile flex, naming them."""
     for step in steps:
+        if step.flex and not flex:
+            checks.lines.append(f"  skip {step.name}: {NO_FLEX}")
+            print(checks.lines[-1], flush=True)
+            continue
         estimate = step.estimate(budget.compile_s)
         if not budget.fits(estimate):
             checks.lines.append(f"  skip {step.name}: {budget.skip(step.name, estimate)}")
@@ -557,7 +1001,8 @@ def run_checks(steps: list[Check], checks: Checks, budget: Budget) -> None:
                 print(checks.lines[-1], flush=True)
                 budget.skipped.append(step.name)
                 continue
-            checks.add(step.name, False, f"{type(err).__name__}: {str(err)[:200]}")
+            log_failure(step.name, err)
+            checks.add(step.name, False, summary(err)[:240])
         if checks.failed == failed:  # a failed compile measures nothing
             budget.measured_compile(budget.elapsed() - t0 - CHECK_S, step.compiles)
 
@@ -595,35 +1040,73 @@ def _reference_causal(q, k, v):
 DENSE_MAX_S = 32768  # SDPA with a dense mask above this: see the module docstring
 
 
+@dataclass
+class Timing:
+    """What the timer measured of one function: mean seconds per call over ``reps`` timed calls,
+    and the seconds of its first call (a compile's measurement, where it compiles)."""
+
+    mean: float
+    reps: int
+    first: float
+
+
 def make_timer(device: torch.device, *, min_reps: int, budget_s: float):
-    def timer(fn: Callable[[], object]) -> tuple[float, int, float]:
-        """(mean seconds per call, repetitions, seconds of the first call): 2 warm-up calls
-        (the first compiles: its time is the compile's measurement), then at least
-        ``min_reps`` timed calls, more while they fit in ``budget_s``."""
+    def timer(*fns: Callable[[], object]) -> list[Timing | Exception]:
+        """Time ``fns`` interleaved: call 1 of each, then call 2 of each, ..., so that what
+        drifts during a phase (clocks, temperature, a neighbour) weighs on each alike. Each gets
+        2 warm-up calls (the first compiles: its time is the compile's measurement), then at
+        least ``min_reps`` timed calls, more while they fit in ``budget_s`` per function. One
+        that fails in its warm-up gets its exception in its place and is left out of the loop
+        (the budget's stop propagates)."""
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        first = time.perf_counter() - t0
-        fn()
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        one = time.perf_counter() - t0
-        reps = max(min_reps, min(100, int(budget_s / max(one, 1e-6))))
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
+        firsts: list[float | Exception] = []
+        for fn in fns:
+            try:
+                t0 = time.perf_counter()
                 fn()
-            end.record()
+                sync(device)
+                firsts.append(time.perf_counter() - t0)
+            except Exception as err:
+                _stop_if_budget(err)
+                firsts.append(err)
+        live = [i for i, f in enumerate(firsts) if not isinstance(f, Exception)]
+        one = 0.0
+        for i in live:
+            fns[i]()
+            sync(device)
+            t0 = time.perf_counter()
+            fns[i]()
+            sync(device)
+            one += time.perf_counter() - t0
+        reps = max(min_reps, min(100, int(budget_s * max(len(live), 1) / max(one, 1e-6))))
+        total = dict.fromkeys(live, 0.0)
+        if device.type == "cuda" and live:
+            events = {
+                i: [
+                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    for _ in range(reps)
+                ]
+                for i in live
+            }
+            for r in range(reps):
+                for i in live:
+                    start, end = events[i][r]
+                    start.record()
+                    fns[i]()
+                    end.record()
             torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / 1e3 / reps, reps, first
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return (time.perf_counter() - t0) / reps, reps, first
+            for i in live:
+                total[i] = sum(start.elapsed_time(end) for start, end in events[i]) / 1e3
+        else:
+            for _ in range(reps):
+                for i in live:
+                    t0 = time.perf_counter()
+                    fns[i]()
+                    total[i] += time.perf_counter() - t0
+        return [
+            f if isinstance(f, Exception) else Timing(total[i] / reps, reps, f)
+            for i, f in enumerate(firsts)
+        ]
 
     return timer
 
@@ -650,8 +1133,7 @@ def _failure(err: BaseException) -> str:
         return "stopped: the time budget ran out"
     if isinstance(err, torch.OutOfMemoryError):
         return "out of memory"
-    first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    return f"failed: {type(err).__name__}: {first[:160]}"
+    return f"failed: {summary(err)[:200]}"
 
 
 # The rows of speed() per mask, in order, and the methods that compile a flex graph.
@@ -734,13 +1216,16 @@ def speed(
     mask: str = "document_causal",
     methods: tuple[str, ...] | None = None,
     window: int = WINDOW,
+    flex: bool = True,
 ):
     """Time ``methods`` (default: every row of ``mask``) at one (S, D, mask); each row goes to
     ``on_result`` as soon as it is measured.
 
     Every row runs in its own ``try``; a row that would not fit ``budget`` is skipped (and
-    named); the budget's stop ends the call (:class:`OutOfTime`). Returns (results, forward
-    FLOPs); ``flops[(S, D, mask)]`` is set before the first row."""
+    named), and so is flex with ``flex=False`` (a failed preflight); flexpack auto and
+    varlen_attn are timed together, interleaved (:func:`make_timer`); the budget's stop ends
+    the call (:class:`OutOfTime`). Returns (results, forward FLOPs); ``flops[(S, D, mask)]``
+    is set before the first row."""
     budget = budget or Budget(None)
     methods = methods or MASK_METHODS[mask]
     dtype = torch.float32 if dry_run else torch.bfloat16
@@ -789,6 +1274,7 @@ def speed(
             the_mask = flexpack.document_causal_mask(doc_ids)
     except Exception as err:  # no inputs at this S: every row says why
         _stop_if_budget(err)
+        log_failure(f"S={S} D={D} {mask} (setup)", err)
         for method in methods:
             r = row(method, note=f"setup {_failure(err)}")
             results.append(r)
@@ -797,57 +1283,92 @@ def speed(
         return results, flops_fwd
     timer = make_timer(device, min_reps=2 if dry_run else 5, budget_s=0.05 if dry_run else 1.0)
 
-    def run(method: str, fwd: Callable[[], torch.Tensor], grad_out, note="", sdpa=False):
-        compiles = method in COMPILING
-        estimate = ROW_S + (budget.compile_s if compiles else 0.0)
-        if not budget.fits(estimate):
-            return skip(method, budget.skip(f"S={S} D={D} {mask} {method}", estimate))
-        r = row(method, note=note)
-        notes = [note] if note else []
-        stop = None
-        try:
-            if sdpa:  # which SDPA kernel ran (cuDNN, flash, efficient, math)
-                notes.append(f"SDPA backend: {sdpa_backend(fwd)}")
-            r.fwd, r.reps, first = timer(fwd)
-            if not (dry_run and method == "flexpack flex"):  # no flex backward on CPU
-                r.fwd_bwd, _, first_bwd = timer(lambda: fwd().backward(grad_out))
-                first += first_bwd
+    def run(*calls: TimedCall) -> None:
+        """Time ``calls`` together (interleaved), each its own row, reported in order."""
+        todo, spent = [], 0.0
+        rows = {c.method: row(c.method, note=c.skip) for c in calls}
+        for c in calls:
+            estimate = ROW_S + (budget.compile_s if c.method in COMPILING else 0.0)
+            if c.skip:
+                continue
+            if c.method in COMPILING and not flex:
+                rows[c.method].note = NO_FLEX
+            elif not budget.fits(spent + estimate):
+                rows[c.method].note = budget.skip(f"S={S} D={D} {mask} {c.method}", estimate)
             else:
-                notes.append("no CPU backward")
-            if compiles:
-                budget.measured_compile(first, 1)
-        except Exception as err:  # one method failing must not lose the others
-            notes.append(_failure(err))
-            if budget_stop(err):
-                stop = err
+                spent += estimate
+                todo.append(c)
+        notes = {c.method: [c.note] if c.note else [] for c in todo}
+        failed: dict[str, Exception] = {}
+        firsts = dict.fromkeys(rows, 0.0)
+        live = list(todo)
+        try:
+            for c in todo:
+                if c.sdpa:  # which SDPA kernel ran (cuDNN, flash, efficient, math)
+                    notes[c.method].append(f"SDPA backend: {sdpa_backend(c.fwd)}")
+            for phase in ("fwd", "fwd_bwd"):
+                timed = []
+                for c in live:
+                    if phase == "fwd_bwd" and dry_run and c.method == "flexpack flex":
+                        notes[c.method].append("no CPU backward")  # no flex backward on CPU
+                    else:
+                        timed.append(c)
+                fns = [
+                    c.fwd if phase == "fwd" else (lambda c=c: c.fwd().backward(c.grad_out))
+                    for c in timed
+                ]
+                for c, t in zip(timed, timer(*fns) if fns else [], strict=True):
+                    if isinstance(t, Exception):
+                        failed[c.method] = t
+                        live.remove(c)
+                        continue
+                    setattr(rows[c.method], phase, t.mean)
+                    rows[c.method].reps = rows[c.method].reps or t.reps
+                    firsts[c.method] += t.first
+        except Exception as err:  # one group failing must not lose the other rows
+            for c in live:
+                failed.setdefault(c.method, err)
         finally:
             _empty_cache(device)
-        r.note = "; ".join(notes)
-        results.append(r)
-        on_result(r)
-        tf = lambda t: flops_fwd / t / 1e12
-        print(
-            f"  {method:<28} fwd {r.fwd * 1e3:9.2f} ms {tf(r.fwd):7.3g} TFLOP/s   fwd+bwd "
-            f"{r.fwd_bwd * 1e3:9.2f} ms {3.5 * tf(r.fwd_bwd):7.3g} TFLOP/s  x{r.reps}  {r.note}",
-            flush=True,
-        )
+        stop = None
+        for c in calls:
+            r = rows[c.method]
+            err = failed.get(c.method)
+            if c in todo:
+                if err is None and c.method in COMPILING:
+                    budget.measured_compile(firsts[c.method], 1)
+                if err is not None:
+                    notes[c.method].append(_failure(err))
+                    if budget_stop(err):
+                        stop = err
+                    else:
+                        log_failure(f"S={S} D={D} {mask} {c.method}", err)
+                r.note = "; ".join(notes[c.method])
+            results.append(r)
+            on_result(r)
+            if c not in todo:
+                print(f"  {c.method}: {r.note}", flush=True)
+                continue
+            tf = lambda t: flops_fwd / t / 1e12
+            print(
+                f"  {c.method:<28} fwd {r.fwd * 1e3:9.2f} ms {tf(r.fwd):7.3g} TFLOP/s   fwd+bwd "
+                f"{r.fwd_bwd * 1e3:9.2f} ms {3.5 * tf(r.fwd_bwd):7.3g} TFLOP/s  x{r.reps}  "
+                f"{r.note}",
+                flush=True,
+            )
         if stop is not None:  # the budget is spent: the rest of the run is skipped
             _stop_if_budget(stop)
-
-    def skip(method: str, note: str):
-        r = row(method, note=note)
-        results.append(r)
-        on_result(r)
-        print(f"  {method}: {note}", flush=True)
 
     def flex_fwd():
         if dry_run:  # no flex backward on CPU: time the forward without grad
             return flexpack.attention(q.detach(), k.detach(), v.detach(), the_mask, backend="flex")
         return flexpack.attention(q, k, v, the_mask, backend="flex")
 
-    def varlen_row(window_size: tuple[int, int]) -> None:
+    def varlen_call() -> TimedCall:
+        method = "varlen_attn"
         if device.type != "cuda":
-            return skip("varlen_attn", "CUDA only")
+            return TimedCall(method, skip="CUDA only")
+        window_size = (window, 0) if mask == "window" else (-1, 0)
         try:
             from torch.nn.attention.varlen import varlen_attn
 
@@ -857,39 +1378,65 @@ def speed(
             cu, mx = cu.to(device), max(seqlens)
         except Exception as err:
             _stop_if_budget(err)
-            return skip("varlen_attn", _failure(err))
+            log_failure(f"S={S} D={D} {mask} {method} (setup)", err)
+            return TimedCall(method, skip=_failure(err))
         note = "" if window_size == (-1, 0) else f"window_size={window_size}"
-        run(
-            "varlen_attn",
+        return TimedCall(
+            method,
             lambda: varlen_attn(qt, kt, vt, cu, cu, mx, mx, window_size=window_size),
             dout_base[0],
             note=note,
         )
 
+    calls: dict[str, Callable[[], TimedCall]] = {
+        "flexpack flex": lambda: TimedCall("flexpack flex", flex_fwd, dout),
+        "flexpack auto": lambda: TimedCall(
+            "flexpack auto", lambda: flexpack.attention(q, k, v, the_mask), dout
+        ),
+        "flexpack sdpa (per segment)": lambda: TimedCall(
+            "flexpack sdpa (per segment)",
+            lambda: flexpack.attention(q, k, v, the_mask, backend="sdpa"),
+            dout,
+        ),
+        "varlen_attn": varlen_call,
+        "SDPA + dense mask": lambda: dense_call(S, doc_ids, q, k, v, dout, device),
+        "SDPA causal (no doc mask)": lambda: TimedCall(
+            "SDPA causal (no doc mask)",
+            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+            dout,
+            note="not a document mask",
+            sdpa=True,
+        ),
+    }
+    # auto against varlen is a 98% target: time them call for call, so drift cannot decide it
+    together = {"flexpack auto": "varlen_attn"}
+    done: set[str] = set()
     for method in methods:
-        if method == "flexpack flex":
-            run(method, flex_fwd, dout)
-        elif method == "flexpack auto":
-            run(method, lambda: flexpack.attention(q, k, v, the_mask), dout)
-        elif method == "flexpack sdpa (per segment)":
-            run(method, lambda: flexpack.attention(q, k, v, the_mask, backend="sdpa"), dout)
-        elif method == "varlen_attn":
-            varlen_row((window, 0) if mask == "window" else (-1, 0))
-        elif method == "SDPA + dense mask":
-            dense_row(S, doc_ids, q, k, v, dout, run, skip, device)
-        elif method == "SDPA causal (no doc mask)":
-            run(
-                method,
-                lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                dout,
-                note="not a document mask",
-                sdpa=True,
-            )
+        if method in done:
+            continue
+        group = [method] + [m for m in (together.get(method),) if m in methods]
+        done.update(group)
+        run(*(calls[m]() for m in group))
+        _empty_cache(device)  # (a dense mask is freed here)
     return results, flops_fwd
 
 
-def dense_row(S, doc_ids, q, k, v, dout, run, skip, device) -> None:
+@dataclass(eq=False)
+class TimedCall:
+    """One timed method of :func:`speed`: ``fwd()`` runs the forward, ``fwd().backward(
+    grad_out)`` the training step; ``skip`` (a reason) makes it a row that is not timed."""
+
+    method: str
+    fwd: Callable[[], torch.Tensor] | None = None
+    grad_out: torch.Tensor | None = None
+    note: str = ""
+    sdpa: bool = False  # note which SDPA kernel ran
+    skip: str = ""
+
+
+def dense_call(S, doc_ids, q, k, v, dout, device) -> TimedCall:
     """The "SDPA + dense mask" row: a (1, 1, S, S) bool mask, where it fits."""
+    method = "SDPA + dense mask"
     dense_bytes = S * S * 3  # bool mask + its additive bf16 copy inside SDPA
     try:
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 8 * 2**30
@@ -897,25 +1444,22 @@ def dense_row(S, doc_ids, q, k, v, dout, run, skip, device) -> None:
         _stop_if_budget(err)
         free = 0
     if S > DENSE_MAX_S:
-        return skip(
-            "SDPA + dense mask",
-            f"skipped: S > {DENSE_MAX_S // 1024}K (mask ~{dense_bytes / 2**30:.0f} GiB; torch "
+        return TimedCall(
+            method,
+            skip=f"skipped: S > {DENSE_MAX_S // 1024}K (mask ~{dense_bytes / 2**30:.0f} GiB; torch "
             "2.13's efficient kernel is wrong past row 2^32/S, its backward crashes past ~46K)",
         )
     if dense_bytes > 0.5 * free:
-        return skip("SDPA + dense mask", f"skipped: mask needs ~{dense_bytes / 2**30:.0f} GiB")
+        return TimedCall(method, skip=f"skipped: mask needs ~{dense_bytes / 2**30:.0f} GiB")
     try:
         dense = (doc_ids[:, :, None] == doc_ids[:, None, :]).tril_()[:, None]  # (1, 1, S, S)
     except Exception as err:
         _stop_if_budget(err)
-        return skip("SDPA + dense mask", f"building the mask: {_failure(err)}")
-    run(
-        "SDPA + dense mask",
-        lambda: F.scaled_dot_product_attention(q, k, v, dense),
-        dout,
-        sdpa=True,
+        log_failure(f"S={S} {method} (building the mask)", err)
+        return TimedCall(method, skip=f"building the mask: {_failure(err)}")
+    return TimedCall(
+        method, lambda: F.scaled_dot_product_attention(q, k, v, dense), dout, sdpa=True
     )
-    _empty_cache(device)  # (the mask is freed when this returns)
 
 
 # --------------------------------------------------------------------------- report
@@ -935,7 +1479,8 @@ def targets(results: list[Result]) -> list[tuple[int, str, float, float, bool]]:
             by.get((key, "flexpack auto")),
             by.get((key, "varlen_attn")),
         )
-        if flex is not None and varlen is not None and not math.isnan(varlen.fwd):
+        measured = [r is not None and not math.isnan(r.fwd) for r in (flex, varlen)]
+        if all(measured):  # (a failed or skipped row has no time: no ratio)
             ratio = varlen.fwd / flex.fwd
             out.append((S, f"flex fwd / varlen fwd{label}", ratio, 0.90, ratio >= 0.90))
             vb, fb = varlen.fwd_bwd - varlen.fwd, flex.fwd_bwd - flex.fwd
@@ -963,8 +1508,11 @@ def markdown(
     argv: list[str],
     budget: Budget | None = None,
     judged: bool = True,
+    preflight: Preflight | None = None,
 ) -> str:
-    """The report. ``judged=False`` (a dry run: CPU timings) prints targets without PASS/FAIL."""
+    """The report: the preflight's result first (its first lines), then the title, the checks,
+    the rows and the targets. ``judged=False`` (a dry run: CPU timings) prints targets without
+    PASS/FAIL."""
     lines = [
         "| S | D | mask | method | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s | note |",
         "|---:|---:|---|---|---:|---:|---:|---:|---|",
@@ -984,15 +1532,19 @@ def markdown(
         lines.append(f"| {S} | {name} | {value:.1%} | {target:.0%} | {verdict} |")
     ran = sum(line.startswith(("  ok", "  FAIL")) for line in checks.lines)
     passed = sum(line.startswith("  ok") for line in checks.lines)
-    head = (
-        f"# Attention on GPU: flexpack vs varlen_attn and SDPA (bf16)\n\n"
-        f"- Date: {datetime.date.today()}; device: {device_name}; torch {torch.__version__}\n"
-        f"- Command: `python bench/gpu.py {' '.join(argv)}`\n"
-        f"- Correctness: {passed}/{ran} checks passed\n"
-        f"- Skipped (budget): {', '.join(budget.skipped) if budget and budget.skipped else 'none'}"
-        "\n\n"
-    )
-    return head + "\n".join(["```", *checks.lines, "```", "", *lines]) + "\n"
+    first = ["```", *preflight.lines(), "```", ""] if preflight is not None else []
+    skipped = ", ".join(budget.skipped) if budget and budget.skipped else "none"
+    head = [
+        *first,
+        "# Attention on GPU: flexpack vs varlen_attn and SDPA (bf16)",
+        "",
+        f"- Date: {datetime.date.today()}; device: {device_name}; torch {torch.__version__}",
+        f"- Command: `python bench/gpu.py {' '.join(argv)}`",
+        f"- Correctness: {passed}/{ran} checks passed",
+        f"- Skipped (budget): {skipped}",
+        "",
+    ]
+    return "\n".join([*head, "```", *checks.lines, "```", "", *lines]) + "\n"
 
 
 QUICK_BUDGET_S = 225.0  # --quick stops cleanly before 4 minutes
@@ -1003,7 +1555,8 @@ FULL_BUDGET_S = 390.0
 
 @dataclass
 class Stage:
-    """One step of the plan: correctness checks, or the timing rows of one (S, D, mask)."""
+    """One step of the plan: correctness checks, or the timing rows of one (S, D, mask).
+    ``flex=False`` (a failed preflight): its flex checks and rows are skipped, not estimated."""
 
     name: str
     checks: list[Check] = field(default_factory=list)
@@ -1012,16 +1565,18 @@ class Stage:
     H: int = 0
     mask: str = "document_causal"
     methods: tuple[str, ...] = ()
+    flex: bool = True
 
     def compiles(self) -> int:
         if self.checks:
-            return sum(c.compiles for c in self.checks)
-        return sum(m in COMPILING for m in self.methods)
+            return sum(c.compiles for c in self.checks if self.flex or not c.flex)
+        return sum(m in COMPILING for m in self.methods) if self.flex else 0
 
     def estimate(self, compile_s: float = COMPILE_S) -> float:
         if self.checks:
-            return sum(c.estimate(compile_s) for c in self.checks)
-        return len(self.methods) * ROW_S + self.compiles() * compile_s
+            return sum(c.estimate(compile_s) for c in self.checks if self.flex or not c.flex)
+        timed = [m for m in self.methods if self.flex or m not in COMPILING]
+        return len(timed) * ROW_S + self.compiles() * compile_s
 
 
 def run_plan(
@@ -1032,20 +1587,27 @@ def run_plan(
     H: int,
     dry_run: bool,
     trees_and_windows: bool = True,
+    flex: bool = True,
 ) -> list[Stage]:
-    """The run in order of value: the bf16 correctness checks (what training runs); flex
-    against varlen at every size up to 32K (every head dim of ``dims``, all rows at the first);
-    tree and window masks; the sizes above 32K; then the other checks (fp32, head dim 8, a
-    64-token BlockMask: paths fewer users take, 3 more compiles)."""
-    core = [c for c in checks if not c.late]
-    late = [c for c in checks if c.late]
+    """The run in order of value (at ~40 s a compile, what comes last is what the budget cuts):
+
+    1. the bf16 correctness checks (what training runs);
+    2. every size up to 32K at the first head dim (``dims[0]``), all five rows;
+    3. tree and window masks at the largest of those sizes;
+    4. the sinks and recompile checks;
+    5. the other head dims (flex and varlen) at those sizes;
+    6. the sizes above 32K, at the first head dim;
+    7. the other checks (fp32, head dim 8, a 64-token BlockMask: paths fewer users take).
+
+    ``flex=False`` (the preflight failed): the same steps, their flex checks and rows skipped.
+    """
+    group = {name: [c for c in checks if c.group == name] for name in ("first", "sinks", "other")}
     short = [S for S in sizes if S <= DENSE_MAX_S] or sizes[:1]
     long = [S for S in sizes if S not in short]
-    stages = [Stage("checks", checks=core)] if core else []
-    for S in short:
-        for i, D in enumerate(dims):
-            methods = METHODS if i == 0 else ("flexpack flex", "varlen_attn")
-            stages.append(Stage(f"time S={S} D={D}", S=S, D=D, H=H, methods=methods))
+    stages = [Stage("checks", checks=group["first"])] if group["first"] else []
+    stages += [
+        Stage(f"time S={S} D={dims[0]}", S=S, D=dims[0], H=H, methods=METHODS) for S in short
+    ]
     if trees_and_windows:
         S, D = short[-1], dims[0]
         for mask in ("tree", "window"):
@@ -1053,11 +1615,20 @@ def run_plan(
                 Stage(f"time S={S} D={D} {mask}", S=S, D=D, H=H, mask=mask,
                       methods=MASK_METHODS[mask])
             )  # fmt: skip
+    if group["sinks"]:
+        stages.append(Stage("checks (sinks, recompiles)", checks=group["sinks"]))
+    for D in dims[1:]:
+        for S in short:
+            stages.append(
+                Stage(f"time S={S} D={D}", S=S, D=D, H=H, methods=("flexpack flex", "varlen_attn"))
+            )
     for S in long:
         methods = tuple(m for m in METHODS if m != "SDPA + dense mask")
         stages.append(Stage(f"time S={S} D={dims[0]}", S=S, D=dims[0], H=H, methods=methods))
-    if late:
-        stages.append(Stage("checks (fp32, head dim 8, 64-token blocks)", checks=late))
+    if group["other"]:
+        stages.append(Stage("checks (fp32, head dim 8, 64-token blocks)", checks=group["other"]))
+    for st in stages:
+        st.flex = flex
     return stages
 
 
@@ -1072,25 +1643,6 @@ def plan_summary(stages: list[Stage]) -> tuple[str, int, float]:
     return "\n".join(lines), compiles, elapsed
 
 
-class _Tee:
-    """stdout that is also written to a log file (the report's twin under $OUT)."""
-
-    def __init__(self, stream, path: Path) -> None:
-        self.stream, self.file = stream, open(path, "w")
-
-    def write(self, text: str) -> int:
-        self.file.write(text)
-        self.file.flush()
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-        self.file.flush()
-
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
-
-
 def default_out(dry_run: bool, quick: bool) -> Path:
     """Where the report goes without ``--out``: ``$OUT/gpu.md`` when $OUT is set (the device
     machine sends back only what is under it), a fresh temp dir for a dry run (never the tracked
@@ -1102,7 +1654,14 @@ def default_out(dry_run: bool, quick: bool) -> Path:
     return Path(__file__).resolve().parent / "results" / f"gpu{'-quick' if quick else ''}.md"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, hard_exit: bool = False) -> int:
+    """Run the benchmark (``argv``: the command line's arguments); returns the exit status.
+
+    ``hard_exit`` (the command line): end the process with ``os._exit`` after the last write,
+    the report and the log flushed and fsynced, so that nothing a compile cut by the budget left
+    behind (inductor's worker processes and threads, which Python's normal exit joins) can hold
+    it past the loan; a crash of the script itself is logged and exits 1 the same way."""
+    global _LOG
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=None)
     parser.add_argument(
@@ -1111,6 +1670,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="S in {8K, 32K}, D 128")
     parser.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU")
     parser.add_argument("--skip-checks", action="store_true", help="time only (a rerun)")
+    parser.add_argument(
+        "--skip-preflight",
+        action="store_true",
+        help="attempt flex compiles without the preflight (a rerun after a preflight that "
+        "failed for a reason that does not hold)",
+    )
     parser.add_argument(
         "--check-size", type=int, default=None, help="S of the correctness checks (default 1000)"
     )
@@ -1135,18 +1700,34 @@ def main(argv: list[str] | None = None) -> int:
     if seconds is None and not args.dry_run:
         seconds = QUICK_BUDGET_S if args.quick else FULL_BUDGET_S
     budget = Budget(seconds)
-    stdout = sys.stdout
+    stdout, fd2 = sys.stdout, None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        sys.stdout = _Tee(stdout, out.with_suffix(".log"))
+        _LOG = _Log(out.with_suffix(".log"))
+        sys.stdout = _Tee(stdout, _LOG)
+        fd2 = _Fd2Tee(_LOG)
     except OSError as err:
-        print(f"  (no log beside {out}: {err})", flush=True)
+        print(f"  (no log beside {out}, or not all of it: {err})", flush=True)
+    status = 1
     try:
-        return _main(args, argv, out, seconds, budget)
+        status = _main(args, argv, out, seconds, budget)
+    except BaseException as err:
+        if not hard_exit:
+            raise
+        log_failure("bench/gpu.py itself", err)
     finally:
-        if isinstance(sys.stdout, _Tee):
-            sys.stdout.file.close()
+        sys.stdout.flush()
         sys.stdout = stdout
+        if fd2 is not None:
+            fd2.close()
+        if _LOG is not None:
+            _LOG.close()
+            _LOG = None
+    if hard_exit:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 
 
 def _main(args, argv: list[str], out: Path, seconds: float | None, budget: Budget) -> int:
@@ -1177,18 +1758,28 @@ def _main(args, argv: list[str], out: Path, seconds: float | None, budget: Budge
     flops: dict = {}
     checks = Checks()
     judged = not args.dry_run
+    if args.skip_preflight:
+        pre = Preflight([Probe("preflight", "skip", "--skip-preflight: flex compiles go ahead")])
+        print("\n".join(pre.lines()), flush=True)
+    else:
+        pre = preflight(device)
+    flex = pre.ok
 
     def write() -> None:  # after every row: a crash or a time-out keeps what finished
         try:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(markdown(results, flops, checks, name, argv, budget, judged))
+            text = markdown(results, flops, checks, name, argv, budget, judged, pre)
+            with open(out, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())  # what the machine sends back is what reached the disk
         except OSError as err:
             print(f"  (could not write {out}: {err})", flush=True)
 
     def plan_of(check_list: list[Check]) -> list[Stage]:
         return run_plan(
             sizes=sizes, dims=dims, checks=[] if args.skip_checks else check_list, H=H,
-            dry_run=args.dry_run,
+            dry_run=args.dry_run, flex=flex,
         )  # fmt: skip
 
     text, compiles, estimate = plan_summary(
@@ -1197,11 +1788,12 @@ def _main(args, argv: list[str], out: Path, seconds: float | None, budget: Budge
     limit = "none" if seconds is None else f"{seconds:.0f} s"
     print(
         f"budget: {limit}; plan (estimated ~{estimate:.0f} s, ~{compiles} flex compiles of "
-        f"~{COMPILE_S:.0f} s each until the first is measured; what does not fit is skipped "
+        f"~{COMPILE_S:.0f} s each until the second is measured; what does not fit is skipped "
         f"and listed):\n{text}\nreport: {out} (rewritten after every row; log: "
         f"{out.with_suffix('.log')})",
         flush=True,
     )
+    write()  # the preflight's result, before anything can hang
 
     def on_result(r: Result) -> None:
         results.append(r)
@@ -1214,31 +1806,32 @@ def _main(args, argv: list[str], out: Path, seconds: float | None, budget: Budge
             for st in stages:
                 if st.checks:
                     print(f"\ncorrectness on {name} (S={S_check}): {st.name}", flush=True)
-                    run_checks(st.checks, checks, budget)
+                    run_checks(st.checks, checks, budget, flex=flex)
                     write()
                     continue
                 try:
                     speed(
                         device, st.S, H=st.H, D=st.D, median=median, dry_run=args.dry_run,
                         flops=flops, on_result=on_result, budget=budget, mask=st.mask,
-                        methods=st.methods, window=window,
+                        methods=st.methods, window=window, flex=flex,
                     )  # fmt: skip
                 except Exception as err:
                     if budget_stop(err):
                         budget.skipped.append(f"{st.name} (the rest)")
                         raise OutOfTime("stopped") from err
+                    log_failure(st.name, err)
                     print(f"{st.name} failed: {_failure(err)}", flush=True)
     except OutOfTime:
         budget.skipped.append("the rest (the time budget ran out)")
     if checks.failed:
         print(f"{checks.failed} correctness checks FAILED (marked)", flush=True)
-    report = markdown(results, flops, checks, name, argv, budget, judged)
+    report = markdown(results, flops, checks, name, argv, budget, judged, pre)
     print("\n" + report)
     print(f"total {budget.elapsed():.0f} s; skipped: {', '.join(budget.skipped) or 'nothing'}")
     print(f"report: {out}; log: {out.with_suffix('.log')}")
-    write()
+    write()  # the last write: main then closes the log, and the command ends with os._exit
     return 1 if checks.failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main(hard_exit=True)

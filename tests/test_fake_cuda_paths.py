@@ -11,6 +11,8 @@ one per forward (none with a ``PackedLayout``).
 from __future__ import annotations
 
 import itertools
+import math
+import os
 import re
 import types
 from dataclasses import dataclass, field
@@ -581,6 +583,10 @@ def bench_on_fake_clock(fake_cuda, kernels, monkeypatch):
     gpu = _gpu_bench()
     clock = _Clock()
     monkeypatch.setattr(gpu, "_CLOCK", clock)  # (and no alarm: it would use the real clock)
+    # A triton kernel needs a real GPU (the torch 2.11 leg has triton, and no GPU)
+    monkeypatch.setattr(
+        gpu, "probe_triton", lambda device, seconds: gpu.Probe("triton kernel", "skip", "faked")
+    )
     real_timer = gpu.make_timer
     monkeypatch.setattr(
         gpu, "make_timer", lambda device, **kw: real_timer(device, min_reps=1, budget_s=0)
@@ -690,6 +696,219 @@ def test_gpu_bench_writes_under_out_by_default(monkeypatch, tmp_path):
         "results",
         "gpu-quick.md",
     )
+
+
+def _compile_failure(gpu):
+    """A flex compile failing as dynamo reports it: BackendCompilerFailed raised ``from None``
+    around the compiler's error, whose own cause is the C compiler's exit status."""
+    import subprocess
+
+    def inductor():
+        pass
+
+    try:
+        try:
+            raise subprocess.CalledProcessError(1, ["gcc", "cuda_utils.c", "-o", "cuda_utils.so"])
+        except subprocess.CalledProcessError as cause:
+            raise RuntimeError("triton could not build its launcher") from cause
+    except RuntimeError as inner:
+        return torch._dynamo.exc.BackendCompilerFailed(inductor, inner, None)
+
+
+def test_gpu_bench_exception_chain_reaches_dynamos_inner_exception():
+    gpu = _gpu_bench()
+    try:
+        raise _compile_failure(gpu) from None
+    except Exception as err:
+        chain, line = gpu.exception_chain(err), gpu.summary(err)
+    assert "BackendCompilerFailed" in chain and "triton could not build its launcher" in chain
+    assert "CalledProcessError" in chain and "direct cause" in chain  # the inner one's chain
+    assert line == (
+        "BackendCompilerFailed: backend='inductor' raised: RuntimeError: triton could not build "
+        "its launcher"
+    )
+
+
+def test_gpu_bench_logs_the_whole_chain_of_a_failed_compile_and_fd_2(
+    bench_on_fake_clock, monkeypatch, tmp_path
+):
+    # A failed flex compile read "BackendCompilerFailed: backend='inductor' raised:" and nothing
+    # else, and the C compiler's message (written to fd 2 by gcc, not through Python) was lost.
+    gpu, _ = bench_on_fake_clock
+    real = gpu.flexpack.attention
+
+    def attention(*args, backend="auto", **kw):
+        if backend == "flex":
+            os.write(2, b"cuda_utils.c:1:10: fatal error: Python.h: No such file or directory\n")
+            raise _compile_failure(gpu) from None
+        return real(*args, backend=backend, **kw)
+
+    monkeypatch.setattr(gpu.flexpack, "attention", attention)
+    out = tmp_path / "gpu.md"
+    argv = ["--quick", "--sizes", "128", "--dims", "16", "--check-size", "150"]
+    assert gpu.main([*argv, "--out", str(out)]) == 1
+    report, log = out.read_text(), (tmp_path / "gpu.log").read_text()
+    why = "BackendCompilerFailed: backend='inductor' raised: RuntimeError: triton could not build"
+    assert f"FAIL flex   bfloat16: {why}" in report
+    assert f"| 128 | 16 | document_causal | flexpack flex | — | — | — | — | failed: {why}" in report
+    assert "fatal error: Python.h: No such file or directory" in log  # fd 2
+    for name in ("flex   bfloat16", "S=128 D=16 document_causal flexpack flex"):
+        start = log.index(f"----- FAIL {name}: the exception chain")
+        chain = log[start : log.index(f"----- end of {name}", start)]
+        assert "CalledProcessError: Command '['gcc'" in chain, chain
+        assert "The above exception was the direct cause" in chain
+        assert "BackendCompilerFailed" in chain
+    assert os.fstat(2)  # fd 2 is back (and pytest's capture still works after)
+
+
+def test_gpu_bench_failed_preflight_times_varlen_and_sdpa_in_order_then_os_exit(
+    bench_on_fake_clock, kernels, monkeypatch, tmp_path
+):
+    # No C compiler: the preflight fails in no time, no flex compile is attempted, and the
+    # budget goes to the varlen and SDPA rows; the rows come in the plan's order of value; the
+    # command ends with os._exit after the last write, the report and the log fsynced.
+    gpu, _ = bench_on_fake_clock
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(gpu.shutil, "which", lambda name, *a, **kw: None)
+    monkeypatch.setattr(gpu, "DENSE_MAX_S", 128)  # S=256 plays 128K: no dense mask
+    out = tmp_path / "gpu.md"
+    synced, exits = [], []
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        synced.append(os.path.realpath(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(status):
+        exits.append((status, out.read_text(), list(synced), gpu._LOG))
+        raise Exited  # (os._exit does not return)
+
+    monkeypatch.setattr(gpu.os, "fsync", fsync)
+    monkeypatch.setattr(gpu.os, "_exit", exit_now)
+    argv = ["--sizes", "128", "256", "--dims", "32", "16", "--check-size", "150"]
+    with pytest.raises(Exited):
+        gpu.main([*argv, "--out", str(out)], hard_exit=True)
+    [(status, report, synced, log_open)] = exits
+    assert status == 0 and log_open is None
+    assert synced[-2:] == [str(out.resolve()), str(out.with_suffix(".log").resolve())]
+    assert report == out.read_text() and "Correctness: 7/7 checks passed" in report
+    lines = report.splitlines()
+    assert lines[1].startswith("Preflight (") and "FAILED: no flex compile" in lines[1]
+    assert lines[2].startswith("  FAIL C compiler") and "install gcc or set CC" in lines[2]
+    assert kernels.kernels("flex") == []  # not one flex call
+    assert kernels.kernels("varlen")
+    assert "skip flex   bfloat16: skipped: the preflight failed" in report
+    rows = [x.split(" | ")[:4] for x in lines if re.match(r"\| \d+ \| \d+ \| \w+ \| [a-zS]", x)]
+    assert [" ".join(r)[2:] for r in rows] == [
+        *(f"128 32 document_causal {m}" for m in gpu.METHODS),
+        "128 32 tree flexpack flex",
+        "128 32 tree flexpack sdpa (per segment)",
+        *(f"128 32 window {m}" for m in gpu.MASK_METHODS["window"]),
+        "128 16 document_causal flexpack flex",
+        "128 16 document_causal varlen_attn",
+        *(f"256 32 document_causal {m}" for m in gpu.METHODS if m != "SDPA + dense mask"),
+    ]
+    for line in lines:
+        if line.startswith("| ") and "flexpack flex" in line:
+            assert line.endswith(f"| {gpu.NO_FLEX} |"), line
+        elif re.match(r"\| \d+ \| \d+ \| \w+ \| (varlen_attn|flexpack auto|SDPA causal)", line):
+            assert " — " not in line and "failed" not in line, line
+
+
+def test_gpu_bench_plan_runs_in_order_of_value():
+    # At ~40 s a compile the budget cuts what comes last: tree, window and 128K used to.
+    gpu = _gpu_bench()
+    checks = gpu.correctness_plan(
+        torch.device("cpu"), S=150, dry_run=False, checks=gpu.Checks()
+    )  # fmt: skip
+    stages = gpu.run_plan(
+        sizes=[8192, 32768, 131072], dims=[128, 64], checks=checks, H=16, dry_run=False
+    )
+    assert [st.name for st in stages] == [
+        "checks",
+        "time S=8192 D=128",
+        "time S=32768 D=128",
+        "time S=32768 D=128 tree",
+        "time S=32768 D=128 window",
+        "checks (sinks, recompiles)",
+        "time S=8192 D=64",
+        "time S=32768 D=64",
+        "time S=131072 D=128",
+        "checks (fp32, head dim 8, 64-token blocks)",
+    ]
+    assert [c.name for c in stages[0].checks][:4] == [
+        f"{b:<6} bfloat16" for b in ("varlen", "auto", "sdpa", "flex")
+    ]
+    assert sum(st.compiles() for st in stages) == 13  # 6 checks, 7 rows
+    no_flex = gpu.run_plan(
+        sizes=[8192], dims=[128], checks=checks, H=16, dry_run=False, flex=False
+    )  # fmt: skip
+    assert sum(st.compiles() for st in no_flex) == 0
+
+
+def test_gpu_bench_compile_estimate_is_the_second_compile(capsys):
+    gpu = _gpu_bench()
+    budget = gpu.Budget(100.0)
+    budget.measured_compile(70.0, 1)  # inductor's warm-up included: not the estimate
+    assert budget.compile_s == gpu.COMPILE_S
+    budget.measured_compile(0.0, 0)  # a step that compiled nothing measures nothing
+    budget.measured_compile(80.0, 2)
+    assert budget.compile_s == 40.0
+    budget.measured_compile(10.0, 1)
+    assert budget.compile_s == 40.0
+    assert "second flex compile measured: ~40 s" in capsys.readouterr().out
+
+
+def test_gpu_bench_times_auto_and_varlen_interleaved():
+    gpu = _gpu_bench()
+    calls = []
+
+    def fn(name):
+        return lambda: calls.append(name)
+
+    def broken():
+        raise RuntimeError("no such kernel")
+
+    timer = gpu.make_timer(torch.device("cpu"), min_reps=3, budget_s=0)
+    a, b, c = timer(fn("a"), broken, fn("b"))
+    assert isinstance(b, RuntimeError) and a.reps == c.reps == 3
+    assert calls[:2] == ["a", "b"] and calls[-6:] == ["a", "b"] * 3  # call for call
+
+
+def test_gpu_bench_sink_tolerance_bounds_a_bf16_emulation():
+    # The error model's bound holds for the roundings it names, emulated in float64 (P, o, w
+    # and the product rounded to bf16), and its reference is the float64 sink attention's.
+    from flexpack._attention_sinks import dense_sink_attention
+
+    gpu = _gpu_bench()
+    g = torch.Generator().manual_seed(0)
+    B, Hq, Hkv, S, D = 1, 4, 2, 96, 32
+    q, k, v = (
+        torch.randn(B, h, S, D, generator=g).bfloat16().double() for h in (Hq, Hkv, Hkv)
+    )  # fmt: skip
+    sinks = torch.randn(Hq, generator=g, dtype=torch.float64)
+    cot = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64)
+    allowed = torch.ones(S, S, dtype=torch.bool).tril()[None, None]
+    tols = gpu.sink_tolerances(q, k, v, allowed, sinks, cot)
+    assert set(tols) == {"out", "dv"} and tols["out"] >= 4 * gpu.BF16_U
+
+    def bf16(x):
+        return x.bfloat16().double()
+
+    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = (q @ kr.transpose(-1, -2) * D**-0.5).masked_fill(~allowed, -math.inf)
+    p = s.softmax(-1)
+    lse = s.logsumexp(-1, keepdim=True)
+    o = bf16(bf16(p) @ vr)
+    got = bf16(o * bf16(torch.sigmoid(lse - sinks.view(1, Hq, 1, 1))))
+    vv = v.clone().requires_grad_()
+    want = dense_sink_attention(q, k, vv, allowed, sinks, scale=None)
+    assert gpu.rel_err(got, want) < tols["out"]
+    (dv,) = torch.autograd.grad((want * cot).sum(), vv)
+    assert gpu.rel_err(bf16(dv), dv) < tols["dv"]
 
 
 # ----------------------------------------------------------------------------- integrations
