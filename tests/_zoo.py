@@ -130,6 +130,7 @@ class Result:
     mixers: tuple[str, ...] = ()  # the kinds of token mixer the tiny model has
     # the same row through packed_forward_kwargs(batch) without model= (run first): its status
     without_model: str = ""
+    cls: str = ""  # the model's class name (the verified table's key)
 
 
 def mixer_kinds(model: torch.nn.Module) -> tuple[str, ...]:
@@ -159,7 +160,7 @@ def check(model_type: str) -> Result:
     without = _run(model, packed_forward_kwargs, batch, spans, alone, None)
     status, detail = _run(model, packed_forward_kwargs, batch, spans, alone, model)
     # the kinds once adapted: a mixer flexpack.mixers adapts shows its room's name
-    return Result(status, detail, mixer_kinds(model), without[0])
+    return Result(status, detail, mixer_kinds(model), without[0], type(model).__name__)
 
 
 def _without_seam(model_type: str, error: str) -> Result:
@@ -181,7 +182,7 @@ def _without_seam(model_type: str, error: str) -> Result:
         f"{detail}; transformers itself raises {error} at "
         "construction with any registered attention, so run loaded with eager"
     )
-    return Result(status, detail, mixer_kinds(model), status)
+    return Result(status, detail, mixer_kinds(model), status, type(model).__name__)
 
 
 def _alone(model, batch, spans) -> list[torch.Tensor]:
@@ -316,10 +317,49 @@ SEAMS = """
 """
 
 
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
+
+
+def _per_release(verified: dict[str, dict[str, str]]) -> list[str]:
+    """One line per transformers release the zoo ran on: its exact and refused classes."""
+    by: dict[str, dict[str, int]] = {}
+    for releases in verified.values():
+        for version, verdict in releases.items():
+            by.setdefault(version, {}).setdefault(verdict, 0)
+            by[version][verdict] += 1
+    if not by:
+        return []
+    lines = ["Verdicts per transformers release the zoo ran on (model classes; the table's "
+             "column says which releases each was verified on):", ""]  # fmt: skip
+    for version in sorted(by, key=_release):
+        counts = by[version]
+        lines.append(f"- {version}: {counts.get('exact', 0)} exact, "
+                     f"{counts.get('refused', 0)} refused")  # fmt: skip
+    return [*lines, ""]
+
+
+def verdicts(results: dict[str, Result]) -> dict[str, dict[str, str]]:
+    """{class name: {installed transformers version: verdict}} of the exact and refused models:
+    what the verified table (flexpack/assets/verified_models.json) records of this run."""
+    import transformers
+
+    return {
+        r.cls: {transformers.__version__: r.status}
+        for r in results.values()
+        if r.cls and r.status in ("exact", "refused")
+    }
+
+
 def table(
-    results: dict[str, Result], not_decoder_only: dict[str, str], known: dict[str, str]
+    results: dict[str, Result],
+    not_decoder_only: dict[str, str],
+    known: dict[str, str],
+    verified: dict[str, dict[str, str]] | None = None,
 ) -> str:
-    """docs/supported_models.md: the zoo's verdict per model type."""
+    """docs/supported_models.md: the zoo's verdict per model type (``verified``: the verified
+    table's ``models``, for the releases column)."""
+    verified = verified or {}
     import transformers
 
     order = {"exact": 0, "refused": 1, "leak": 2, "error": 3, "skipped": 4}
@@ -351,8 +391,9 @@ def table(
         "",
         "Totals: " + ", ".join(f"{counts[k]} {k}" for k in sorted(counts, key=order.get)) + ".",
         "",
-        "| model type | verdict | token mixers | detail |",
-        "|---|---|---|---|",
+        *_per_release(verified),
+        "| model type | verdict | token mixers | verified on transformers | detail |",
+        "|---|---|---|---|---|",
     ]
     for name in sorted(results, key=lambda n: (order[results[n].status], n)):
         r = results[name]
@@ -360,7 +401,9 @@ def table(
         if name in known:
             detail = f"{detail}; without `model=`: {r.without_model} ({known[name]})"
         mixers = ", ".join(r.mixers) or "attention"
-        lines.append(f"| `{name}` | {r.status} | {mixers} | {detail} |")
+        releases = verified.get(r.cls, {})
+        on = ", ".join(f"{v} {releases[v]}" for v in sorted(releases, key=_release)) or "-"
+        lines.append(f"| `{name}` | {r.status} | {mixers} | {on} | {detail} |")
     lines += _mixer_rooms()
     lines += ["", *SEAMS.strip("\n").splitlines()]
     lines += ["", "Not decoder-only (not run):", ""]
