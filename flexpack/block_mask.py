@@ -139,13 +139,17 @@ def _blocked(x: Tensor, block_size: int, fill: bool | int) -> Tensor:
 
     One block covers the whole row when block_size >= S: width is min(block_size, S), so memory
     follows S and not block_size (block_size=2**40 is fine).
+
+    The tail is a ``new_full`` of ``x``'s dtype, not ``F.pad(value=fill)``: pad takes its value
+    as a float, which rounds integers past 2**53 and turns int64's max into its min (torch 2.13)
+    or raises "cannot be converted to type int64_t without overflow" (torch 2.14).
     """
     B, S = x.shape
     nb = _num_blocks(S, block_size)
     width = min(block_size, S)
     tail = nb * width - S
     if tail:
-        x = torch.nn.functional.pad(x, (0, tail), value=fill)
+        x = torch.cat([x, x.new_full((B, tail), fill)], dim=1)
     return x.view(B, nb, width)
 
 

@@ -240,6 +240,21 @@ def test_memory_follows_s_not_block_size(block_size: int) -> None:
     assert pl.kv_num_blocks.tolist() == [[[1]]]
 
 
+@pytest.mark.parametrize("fill", [2**63 - 1, -(2**63), 2**53 + 1, -1])
+def test_block_tail_keeps_integer_fill_exact(fill: int) -> None:
+    """Issue 35: the tail of the last block was F.pad(value=fill), which goes through a float:
+    int64's max came back as its min (torch 2.13) or raised an overflow RuntimeError (torch
+    2.14), so tree masks whose row length is not a multiple of the block size failed."""
+    x = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    out = bmod._blocked(x, 2, fill)
+    assert out.dtype == torch.int64 and out.shape == (2, 2, 2)
+    assert out[:, 1, 1].tolist() == [fill, fill]
+    assert out.reshape(2, 4)[:, :3].tolist() == x.tolist()
+    seg = torch.tensor([[0, 0, -1, 1, 1, -1, 2]])  # padding between segments, S % 3 == 1
+    m = masks.tree(seg, torch.tensor([[-1, 0, 0]]))
+    _assert_identical(m.block_mask(block_size=3), _reference(m, 3))
+
+
 # ----------------------------------------------------------------------------- direct path
 
 
