@@ -56,6 +56,7 @@ open; afterwards real CUDA calls on this CPU build fail with another message tha
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import threading
@@ -296,6 +297,32 @@ _INDEX_OPS = {
     aten._index_put_impl_.default,
 }
 _COPIES = {aten.copy_.default, aten._copy_from.default, aten._copy_from_and_resize.default}
+# index_fill_ as ``x[index] = number`` reaches it (dim, index, value): see _setitem_fills.
+_FILL_OPS = {aten.index_fill_.int_Scalar, aten.index_fill.int_Scalar}
+
+
+@functools.cache
+def _setitem_fills() -> bool:
+    """Whether this torch turns ``x[index] = number`` into ``index_fill_`` (torch 2.15; 2.13 and
+    2.14 call ``index_put_``).
+
+    torch takes that shortcut only for an index on self's device; a fake tensor is a CPU tensor
+    underneath, so with a CPU index it gets ``index_fill_`` where real CUDA gets ``index_put_``,
+    which copies the indices over. Where this is True, a CPU index of ``index_fill_`` is taken as
+    such an assignment (an explicit ``index_fill_`` with a CPU index, which CUDA refuses, then
+    goes unnoticed: neither flexpack nor its tests call one).
+    """
+    seen: list[Any] = []
+
+    class _Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.zeros(2)
+    with _Ops():
+        x[torch.tensor([0])] = 1
+    return any(f in _FILL_OPS for f in seen)
 
 
 def _is_bool_index(i: Any) -> bool:
@@ -336,6 +363,12 @@ def _check_devices(func, args, kwargs) -> bool:
                 allowed.add(id(i))
                 if i.dim() > 0:
                     _record(f"{func.__name__} with CPU indices (pageable host->device copy)")
+    elif func in _FILL_OPS and _setitem_fills():
+        index = args[2] if len(args) > 2 else kwargs.get("index")
+        if isinstance(index, Tensor) and not isinstance(index, FakeCudaTensor):
+            allowed.add(id(index))  # x[cpu_index] = number: index_put_ on CUDA, see above
+            if index.dim() > 0:
+                _record("index_put_ with CPU indices (pageable host->device copy)")
     if _in_backward():
         # Backward formulas make their temporaries from ``grad.options()``, whose device is
         # the CPU underneath a fake gradient (on a GPU they would be on the GPU): a CPU tensor
