@@ -186,9 +186,12 @@ def _without_seam(model_type: str, error: str) -> Result:
 
 
 def _alone(model, batch, spans) -> list[torch.Tensor]:
-    """The logits of each document of the row run alone."""
+    """The logits of each document of the row run alone, with the all-ones attention_mask a
+    tokenizer gives: without one, transformers 5.17's Moshi builds no causal mask at all and
+    its eager attention runs bidirectional (the zoo then called flexpack's causal rows a leak)."""
     with torch.no_grad():
-        return [model(input_ids=batch.input_ids[:, a:b], use_cache=False).logits[0]
+        return [model(input_ids=batch.input_ids[:, a:b], use_cache=False,
+                      attention_mask=torch.ones_like(batch.input_ids[:, a:b])).logits[0]
                 for a, b in spans]  # fmt: skip
 
 

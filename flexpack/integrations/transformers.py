@@ -644,7 +644,13 @@ def _sources(module: torch.nn.Module, S: int, kwargs: dict[str, Any]) -> tuple:
         return own
     from flexpack import mixers
 
-    found = mixers.call_sources(module) or {}
+    found = mixers.call_sources(module)
+    if found is None:  # a forward that never called the mask function (5.17's Moshi without an
+        # attention_mask): the model on the call stack gets its pre-hook now, and this call's
+        # sources from its frame
+        mixers.adapt_caller(getattr(module, "config", None))
+        found = mixers.call_sources(module)
+    found = found or {}
     picked = []
     for name in ("doc_ids", "seq_idx", "position_ids"):
         t = found.get(name)
