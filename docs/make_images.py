@@ -34,9 +34,9 @@ def realistic_row(seed: int = 0, S: int = 2048) -> torch.Tensor:
     return torch.tensor(ids + [-1] * (S - used))
 
 
-def main() -> None:
+def main(out: Path = IMG) -> None:
     torch.manual_seed(0)
-    IMG.mkdir(exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
     d = DOC_IDS
     S = d.shape[0]
     examples = {
@@ -49,18 +49,18 @@ def main() -> None:
         | (masks.padding(d) & masks.causal() & masks.sliding_window(3)),
     }
     for name, mask in examples.items():
-        plot_mask(mask, IMG / f"{name}.png", block_size=16)
+        plot_mask(mask, out / f"{name}.png", block_size=16)
         if name == "document_causal":
             bm = mask.block_mask(block_size=16, Q_LEN=S, KV_LEN=S)
-            plot_block_mask(bm, IMG / f"{name}_blocks.png")
+            plot_block_mask(bm, out / f"{name}_blocks.png")
     row = realistic_row()
     bm = masks.document(row) & masks.causal()
     plot_block_mask(
         bm.block_mask(block_size=128),
-        IMG / "document_causal_2048_blocks.png",
+        out / "document_causal_2048_blocks.png",
         title="document_causal over 2,048 packed tokens, blocks of 128",
     )
-    print(f"wrote {len(list(IMG.glob('*.png')))} pictures to {IMG}")
+    print(f"wrote {len(examples) + 2} pictures to {out}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Pages are found by glob, so a new page is tested the day it lands. The blocks of a page run in
 order in one namespace, in a fresh working directory: a block of ``>>>`` lines runs as a doctest
 (its printed output must match), any other block is executed. A page's printed output must also
-contain what the page shows after a ``prints`` line, and the pictures it links must exist.
+contain what the page shows after a ``prints`` line, and the pictures it links must exist and be
+drawn by one of the scripts docs/make_*.py (so that every picture can be redrawn from the code).
 
 Markers (HTML comments, invisible on the rendered page):
 
@@ -18,7 +19,7 @@ Markers (HTML comments, invisible on the rendered page):
 from __future__ import annotations
 
 import doctest
-import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -30,6 +31,8 @@ FENCE = re.compile(
     r"^(?:<!-- docs-test: skip (?P<skip>.+?) -->\n)?```python\n(?P<code>.*?)^```", re.S | re.M
 )
 REQUIRES = re.compile(r"<!-- docs-test: requires (.+?) -->")
+# Pictures a page links: img/... from docs/*.md, docs/img/... from README.md.
+PICTURE = re.compile(r"\]\(((?:docs/)?img/[^)]+\.png)\)")
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 
@@ -99,8 +102,28 @@ def test_page_names_its_extras_and_pictures(page):
             assert re.fullmatch(r"[A-Za-z_][\w.]*", module), module
     for _, skip in blocks(text):
         assert skip is None or len(skip) > 10, f"{page_id(page)}: say why a block is skipped"
-    for name in re.findall(r"\]\((img/[^)]+\.png)\)", text):
+    for name in re.findall(PICTURE, text):
         assert (page.parent / name).read_bytes()[:4] == b"\x89PNG", name
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_every_picture_a_page_shows_is_drawn_by_a_generator(tmp_path):
+    """docs/make_*.py redraw every picture of docs/img/ that a page links, from flexpack's own
+    output: a picture no script draws would go stale the first time the code changes."""
+    pytest.importorskip("matplotlib")
+    drawn: set[str] = set()
+    for script in sorted((ROOT / "docs").glob("make_*.py")):
+        spec = importlib.util.spec_from_file_location(f"docs_{script.stem}", script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        out = tmp_path / script.stem
+        module.main(out)
+        made = {p.name for p in out.glob("*.png")}
+        assert made, f"{script.name} drew nothing into {out}"
+        drawn |= made
+    linked = {Path(name).name for page in PAGES for name in re.findall(PICTURE, page.read_text())}
+    assert linked, "no page links a picture"
+    assert linked <= drawn, f"no docs/make_*.py draws {sorted(linked - drawn)}"
 
 
 def test_every_page_is_found():
