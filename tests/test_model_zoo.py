@@ -70,6 +70,7 @@ KNOWN_LEAKS: dict[str, str] = {
     "openai-gpt": "its own attention code and masks: never calls the attention or mask interface",
     "xlm": "its own attention code and masks: never calls the attention or mask interface",
     "xlnet": "its own attention code and masks: never calls the attention or mask interface",
+    "reformer": "its own (LSH / local) attention code: never calls the attention or mask interface",
     "rwkv": "its own recurrent (WKV) code: never calls the attention or mask interface",
     "xlstm": "pure recurrent (mLSTM): never calls the attention or mask interface",
 }

@@ -133,6 +133,8 @@ PATTERNS: dict[str, dict[str, Any]] = {
         "moe_topk": 2,
     },
     "xlm": {"emb_dim": 64, "n_layers": 2},
+    # a causal LM only as a decoder: its default says is_decoder=False and the LM head asserts
+    "reformer": {"is_decoder": True, "axial_pos_embds_dim": [32, 32], "axial_pos_shape": [8, 8]},
 }
 
 # Sub-configs that need more than SIZES, merged in last (the per-layer reduction still runs):
