@@ -1,4 +1,11 @@
-"""TRL: GRPO, RLOO and DPO trainers that forward each shared prompt once, as a prefix tree.
+"""TRL: GRPO, RLOO and DPO trainers that forward each shared prompt once, as a prefix tree;
+an SFT trainer on rows packed over the whole dataset.
+
+``SFTTrainer`` here is TRL's ``SFTTrainer`` (a subclass: the same constructor and config)
+whose dataset, once TRL has tokenized it and built its labels, is packed by one best-fit-
+decreasing plan into rows of ``max_length`` (:func:`flexpack.integrations.datasets.
+pack_dataset`), trained on flexpack attention with TRL's own chunked loss, and counted in
+``trainer.flexpack_stats`` and the logs (see :class:`PackStats`).
 
 ``GRPOTrainer``, ``RLOOTrainer`` and ``DPOTrainer`` here are TRL's own trainers (subclasses: the
 same constructor, config and behaviour) with one change: where TRL computes per-token log-probs
@@ -30,6 +37,7 @@ S = P + C.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import types
@@ -44,7 +52,15 @@ from torch import Tensor
 from flexpack.trees import PaddedTrees, RolloutLogps, pack_padded, rollout_logps
 
 # The trainers subclass trl's, so they are made when first looked up (module __getattr__).
-__all__ = ["DPOTrainer", "GRPOTrainer", "RLOOTrainer", "TreeStats", "tree_logps"]  # noqa: F822
+__all__ = [  # noqa: F822
+    "DPOTrainer",
+    "GRPOTrainer",
+    "PackStats",
+    "RLOOTrainer",
+    "SFTTrainer",
+    "TreeStats",
+    "tree_logps",
+]
 
 
 def _import_trl():
@@ -808,6 +824,221 @@ def _dpo_class() -> type:
     return DPOTrainer
 
 
+# ----------------------------------------------------------------------------- SFT
+
+
+@dataclass
+class PackStats:
+    """What :class:`SFTTrainer`'s training steps forwarded, summed over steps (and ranks).
+
+    Attributes:
+        steps: micro-batches forwarded (``compute_loss`` calls in training).
+        rows: packed rows forwarded, R per micro-batch.
+        documents: samples in those rows (a sample split by ``packing_strategy="bfd_split"``
+            counts once per piece).
+        tokens: their real tokens.
+        row_tokens: the slots of the rows, ``R * max_length`` per micro-batch.
+        padded_tokens: what the same samples take unpacked, each its own row padded to the
+            longest of its micro-batch (TRL's ``packing=False`` collator).
+    """
+
+    steps: int = 0
+    rows: int = 0
+    documents: int = 0
+    tokens: int = 0
+    row_tokens: int = 0
+    padded_tokens: int = 0
+
+    @property
+    def fill(self) -> float:
+        """Real tokens per row slot, in [0, 1]."""
+        return self.tokens / max(self.row_tokens, 1)
+
+    @property
+    def padding_removed(self) -> int:
+        """Padding tokens the unpacked micro-batches would have forwarded and these did not."""
+        return self.padded_tokens - self.row_tokens
+
+
+@dataclass(frozen=True)
+class _PackedCollator:
+    """Rows of the packed dataset (``input_ids`` (T_r,), ``labels`` (T_r,), ``seqlens``
+    (k_r,)) -> the model call's keywords, each (R, max_len): ``input_ids``, ``labels`` (-100 on
+    padding and on each document's first token), ``position_ids`` (restarting per document),
+    ``doc_ids`` (-1 on padding). A row without ``seqlens`` (a dataset passed with
+    ``skip_prepare_dataset``) is one document."""
+
+    max_len: int
+    pad_id: int
+
+    def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        from flexpack.data import collate
+        from flexpack.integrations.transformers import packed_forward_kwargs
+
+        rows = [r if "seqlens" in r else {**r, "seqlens": [len(r["input_ids"])]} for r in rows]
+        batch = collate(rows, max_len=self.max_len, pad_id=self.pad_id)
+        kwargs = packed_forward_kwargs(batch, labels=True)
+        del kwargs["use_cache"]  # TRL's compute_loss sets it
+        return kwargs
+
+
+_SFT_STRATEGIES = {"bfd": "truncate", "bfd_split": "split"}
+
+
+def _sft_class() -> type:
+    trl = _import_trl()
+    base = trl.SFTTrainer
+
+    class SFTTrainer(base):
+        """TRL's ``SFTTrainer`` on rows packed by flexpack over the whole dataset.
+
+        Same constructor and ``SFTConfig`` as ``trl.SFTTrainer``; one import changes. TRL
+        tokenizes the dataset and builds its labels as it does without packing (the prompt
+        masked when the data is prompt-completion: ``completion_only_loss``, TRL's default;
+        ``assistant_only_loss``; truncation to ``max_length``), then ``flexpack.integrations.
+        datasets.pack_dataset`` packs all of it with one best-fit-decreasing plan into rows of
+        ``args.max_length`` (``packing`` is implied; ``packing_strategy="bfd_split"`` splits
+        over-long samples instead of truncating them). Each micro-batch is
+        ``per_device_train_batch_size`` rows of (R, max_length), with ``doc_ids`` and
+        ``position_ids`` that restart per sample. The model runs on flexpack attention (switched
+        on this instance for ``train`` / ``evaluate``, restored after) and its recurrent / conv
+        mixers are adapted, so no sample sees another; the loss is TRL's own (its fused LM head:
+        per-token log-probs from the hidden states in chunks, never the (R, S, V) logits; the
+        first token of every sample has label -100, so no prediction crosses a boundary).
+
+        ``trainer.flexpack_stats`` (:class:`PackStats`) counts what training forwarded, and the
+        logs carry ``flexpack/rows``, ``flexpack/fill``, ``flexpack/tokens`` and
+        ``flexpack/padding_removed`` beside TRL's metrics (per micro-batch, averaged over the
+        logging interval as TRL averages its own).
+        """
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.flexpack_stats = PackStats()
+            base.__init__(self, *args, **kwargs)
+            from flexpack.integrations.transformers import _prepare
+
+            if self._is_vision_dataset:
+                raise ValueError(
+                    "flexpack's SFTTrainer packs text datasets; this one has images. Use "
+                    "trl.SFTTrainer, or flexpack.integrations.transformers.pack_multimodal."
+                )
+            _check_switchable(self.model, "the model")
+            _prepare(self.model)  # adapt recurrent / conv mixers, refuse what cannot be exact
+            trl_collator = trl.trainer.sft_trainer.DataCollatorForLanguageModeling
+            if isinstance(self.data_collator, trl_collator):  # TRL's own: replaced by flexpack's
+                self.data_collator = _PackedCollator(
+                    max_len=self._flexpack_max_len(self.args), pad_id=self._tokenizer.pad_token_id
+                )
+
+        @staticmethod
+        def _flexpack_max_len(args: Any) -> int:
+            if args.max_length is None:
+                raise ValueError(
+                    "flexpack's SFTTrainer packs rows of args.max_length tokens; got "
+                    "max_length=None. Set SFTConfig(max_length=...) (TRL's default is 1024)."
+                )
+            return int(args.max_length)
+
+        def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, name):
+            from flexpack.integrations.datasets import pack_dataset
+
+            max_len = self._flexpack_max_len(args)
+            strategy = args.packing_strategy
+            if strategy not in _SFT_STRATEGIES:
+                raise ValueError(
+                    f"flexpack's SFTTrainer packs samples whole (packing_strategy 'bfd' or "
+                    f"'bfd_split'), got {strategy!r}; 'wrapped' cuts samples without marking the "
+                    f"cut. Use packing_strategy='bfd_split' to keep over-long samples' tokens."
+                )
+            overflow = _SFT_STRATEGIES[strategy]
+            if overflow == "split":  # TRL's unpacked path truncates to max_length: not here
+                args = copy.copy(args)
+                args.max_length = None
+            # TRL's own preparation as for unpadded training: tokenize, labels, truncation.
+            dataset = base._prepare_dataset(
+                self, dataset, processing_class, args, False, formatting_func, name
+            )
+            if not isinstance(dataset, _datasets().Dataset):
+                raise TypeError(
+                    f"flexpack's SFTTrainer packs a datasets.Dataset with one plan over all of it; "
+                    f"the {name} dataset is a {type(dataset).__name__}. For a streaming dataset "
+                    "use trl.SFTTrainer, or flexpack.data.PackedIterableDataset."
+                )
+            return pack_dataset(
+                dataset, max_len, labels_column="labels", strategy="bfd", overflow=overflow,
+                seed=args.seed, num_proc=args.dataset_num_proc,
+            )  # fmt: skip
+
+        def _set_signature_columns_if_needed(self) -> None:
+            base._set_signature_columns_if_needed(self)
+            if "seqlens" not in self._signature_columns:  # the packed rows' document lengths
+                self._signature_columns = [*self._signature_columns, "seqlens"]
+
+        def train(self, *args: Any, **kwargs: Any) -> Any:
+            """TRL's ``train`` with the model on flexpack attention, restored when it returns
+            (gradient checkpointing recomputes layers with the implementation current then)."""
+            from flexpack.integrations.transformers import register
+
+            with _attn_implementation(_inner(self.model), register()):
+                return base.train(self, *args, **kwargs)
+
+        def evaluate(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+            """TRL's ``evaluate`` on packed rows, with the model on flexpack attention."""
+            from flexpack.integrations.transformers import register
+
+            with _attn_implementation(_inner(self.model), register()):
+                return base.evaluate(self, *args, **kwargs)
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            """TRL's ``compute_loss`` (its fused LM head over the packed rows), plus flexpack's
+            counts; TRL's ``num_tokens`` counts the rows' real tokens, not their padding."""
+            mode = "train" if self.model.training else "eval"
+            counted = self._flexpack_count(inputs, mode)
+            before = self._total_train_tokens
+            out = base.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
+            if counted is not None and mode == "train":
+                self._total_train_tokens = before + counted // self._tp_size
+                self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+            return out
+
+        def _flexpack_count(self, inputs: dict[str, Any], mode: str) -> int | None:
+            """Count the micro-batch into the stats and TRL's metrics; its real tokens."""
+            doc_ids, pos = inputs.get("doc_ids"), inputs.get("position_ids")
+            if not isinstance(doc_ids, Tensor) or not isinstance(pos, Tensor):
+                return None  # a collator of the user's own
+            R, S = doc_ids.shape
+            real = doc_ids >= 0
+            docs = (doc_ids.amax(1) + 1).clamp(min=0).sum()
+            longest = torch.where(real, pos, 0).amax() + 1
+            local = torch.stack(
+                [docs.new_tensor(R), docs.new_tensor(R * S), docs, real.sum(), docs * longest]
+            )
+            rows, slots, docs, tokens, padded = (
+                self.accelerator.gather_for_metrics(local[None]).sum(0).tolist()
+            )  # one host sync, as TRL's own metrics
+            if mode == "train":
+                s = self.flexpack_stats
+                s.steps += 1
+                s.rows, s.documents, s.tokens = s.rows + rows, s.documents + docs, s.tokens + tokens
+                s.row_tokens, s.padded_tokens = s.row_tokens + slots, s.padded_tokens + padded
+            metrics = self._metrics[mode]
+            metrics["flexpack/rows"].append(float(rows))
+            metrics["flexpack/fill"].append(tokens / max(slots, 1))
+            metrics["flexpack/tokens"].append(float(tokens))
+            metrics["flexpack/padding_removed"].append(float(padded - slots))
+            return int(tokens)
+
+    SFTTrainer.__module__ = __name__
+    SFTTrainer.__qualname__ = "SFTTrainer"
+    return SFTTrainer
+
+
+def _datasets():
+    import datasets
+
+    return datasets
+
+
 @functools.cache
 def _classes() -> dict[str, type]:
     trl = _import_trl()
@@ -819,11 +1050,12 @@ def _classes() -> dict[str, type]:
             trl.RLOOTrainer, "RLOOTrainer", _GRPO_DOC.format(base="RLOOTrainer")
         ),
         "DPOTrainer": _dpo_class(),
+        "SFTTrainer": _sft_class(),
     }
 
 
 def __getattr__(name: str) -> type:
     # The trainer classes subclass trl's, so they exist once trl is imported: on first access.
-    if name in ("GRPOTrainer", "RLOOTrainer", "DPOTrainer"):
+    if name in ("GRPOTrainer", "RLOOTrainer", "DPOTrainer", "SFTTrainer"):
         return _classes()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
