@@ -248,8 +248,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import flexpack
 
-config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
-                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+config = LlamaConfig(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 model = LlamaForCausalLM(config)  # or AutoModelForCausalLM.from_pretrained(...)
 report = flexpack.check(model, force=True)  # force: run the probe, not the verified table
 print(report)
