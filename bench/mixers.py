@@ -10,6 +10,11 @@ packed rows:
 - ``flexpack``: ``attn_implementation=register()`` with ``packed_forward_kwargs`` (the mixers
   adapted, run per group of documents; attention per document).
 
+A second table splits the short conv (LFM2) three ways: its own torch path over the whole rows
+(leaking), flexpack's per-group calls of the module (the path every room has) and flexpack's
+one pass over the rows with the taps across document starts masked out (what the short-conv
+room runs now), for the whole model's step and for the conv layer alone.
+
 Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (about 1 minute on a quiet 2-core CPU; a word
 after it keeps only the families whose name has it, e.g. ``ZAYA``). Prints a markdown table;
 the ratio is own / flexpack (above 1: flexpack faster).
@@ -84,15 +89,72 @@ def _rows():
     return batch
 
 
-def _step_time(model, kwargs) -> float:
+def _timed(step, repeats: int = REPEATS) -> float:
     times = []
-    for i in range(REPEATS + 1):
-        model.zero_grad(set_to_none=True)
+    for i in range(repeats + 1):
         t0 = time.perf_counter()
-        model(**kwargs).logits.float().sum().backward()
+        step()
         if i:  # the first call warms up
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _step_time(model, kwargs) -> float:
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**kwargs).logits.float().sum().backward()
+
+    return _timed(step)
+
+
+def short_conv_paths(batch, own_kwargs) -> None:
+    """The short conv's own torch path, flexpack's per-group calls and its one pass: the
+    model's step, and the conv layer alone (forward + backward on the rows' hidden states)."""
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+    from flexpack.mixers import conv
+
+    kind = "short_conv (LFM2)"
+    own_model, model = _model(kind, "sdpa"), _model(kind, register())
+    kwargs = packed_forward_kwargs(batch)
+    model(**kwargs)  # adapted at its first forward
+    mixer = model.get_submodule("model.layers.0.conv")
+    cls = type(mixer)
+    x = torch.randn(*batch.doc_ids.shape, model.config.hidden_size, requires_grad=True)
+
+    def layer(call):
+        def step():
+            x.grad = None
+            call().sum().backward()
+
+        return _timed(step, 10 * REPEATS)
+
+    rows = {
+        "own torch path over the rows (leaks)": (
+            _step_time(own_model, own_kwargs),
+            layer(lambda: cls.forward(mixer, x)),
+        )
+    }
+    verified = conv._verified.get(cls)
+    conv._verified[cls] = False  # what the room ran before the one pass: per-group calls
+    try:
+        rows["flexpack, per group of documents"] = (
+            _step_time(model, kwargs),
+            layer(lambda: mixer(x, doc_ids=batch.doc_ids)),
+        )
+    finally:
+        conv._verified[cls] = verified if verified is not None else True
+    rows["flexpack, one pass (masked taps)"] = (
+        _step_time(model, kwargs),
+        layer(lambda: mixer(x, doc_ids=batch.doc_ids)),
+    )
+    base_step, base_layer = rows["flexpack, per group of documents"]
+    print()
+    print("| short conv (LFM2) path | model step (s) | per group / this | conv layer (ms) "
+          "| per group / this |")  # fmt: skip
+    print("|---|---|---|---|---|")
+    for name, (step, alone) in rows.items():
+        print(f"| {name} | {step:.3f} | {base_step / step:.2f}x | {alone * 1e3:.2f} "
+              f"| {base_layer / alone:.2f}x |")  # fmt: skip
 
 
 def main() -> None:
@@ -114,6 +176,8 @@ def main() -> None:
         own = _step_time(_model(kind, "sdpa"), own_kwargs)
         ours = _step_time(_model(kind, register()), packed_forward_kwargs(batch))
         print(f"| {kind} | {own:.3f} | {ours:.3f} | {own / ours:.2f}x |", flush=True)
+    if "short_conv (LFM2)" in [k for k in FAMILIES if only in k]:
+        short_conv_paths(batch, own_kwargs)
     print(f"\nload average at the end: {__import__('os').getloadavg()[0]:.1f}")
 
 

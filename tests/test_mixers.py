@@ -9,6 +9,7 @@ faked CUDA device with recording kernels (see tests/test_mixers_kernels.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -261,6 +262,97 @@ def test_room_keeps_the_mixers_dtype_under_autocast(kind):
     assert out.dtype == next(iter(alone.values())).dtype == torch.bfloat16
     for (b, a, e), want in alone.items():
         torch.testing.assert_close(out[b, a:e], want[0], rtol=2e-2, atol=2e-2)
+
+
+def _random_layout(g: torch.Generator, B: int = 5, S: int = 24) -> torch.Tensor:
+    """(B, S) doc ids: rows of random documents (1 to 8 tokens) with right padding, a full row,
+    a row of one document and an all-padding row."""
+    ids = torch.full((B, S), -1)
+    for b in range(B - 1):
+        at, k = 0, 0
+        fill = S if b == 1 else int(torch.randint(1, S + 1, (1,), generator=g))
+        while at < fill:
+            n = min(fill - at, S if b == 2 else int(torch.randint(1, 9, (1,), generator=g)))
+            ids[b, at : at + n] = k
+            at, k = at + n, k + 1
+    return ids[torch.randperm(B, generator=g)]
+
+
+def test_short_conv_runs_in_one_pass_equal_to_the_per_group_path(monkeypatch):
+    """LFM2's short conv on packed rows: no call of the class's forward (one pass over the rows,
+    from the module's own in_proj / conv / out_proj), the per-group path's outputs and gradients
+    in float64 (1e-12) on random layouts with padding and an all-padding row."""
+    from flexpack.mixers import conv
+
+    model = _model("short_conv", dtype=torch.float64)
+    mixer = model.get_submodule("model.layers.0.conv")
+    cls = type(mixer)
+    original = cls.forward
+    calls = []
+
+    @functools.wraps(original)
+    def counted(self, *args, **kwargs):
+        calls.append(args[0].shape if args else kwargs["hidden_states"].shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, "forward", counted)
+    fm.adapt(model)
+    g = torch.Generator().manual_seed(3)
+    H = model.config.hidden_size
+    mixer(torch.randn(2, 8, H, dtype=torch.float64), doc_ids=_random_layout(g, 2, 8))
+    assert conv._verified[cls] is True  # the self-check ran (first call of the class)
+    params = [p for p in mixer.parameters()]
+    for _ in range(4):
+        ids = _random_layout(g)
+        plan = DocumentPlan.from_doc_ids(ids)
+        x = torch.randn(*ids.shape, H, generator=g, dtype=torch.float64, requires_grad=True)
+        weights = torch.randn(*ids.shape, H, generator=g, dtype=torch.float64)
+        calls.clear()
+        got = mixer(x, doc_ids=ids, attention_mask=None)
+        assert calls == []  # no per-group call of the module's forward
+        got_grads = torch.autograd.grad((got * weights).sum(), [x, *params])
+        want = plan.merge([original(mixer, plan.split(x, i)) for i in range(len(plan.groups))])
+        want_grads = torch.autograd.grad((want * weights).sum(), [x, *params])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert not got[ids < 0].any()  # padding, the all-padding row included, gives zeros
+        for a, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(a, w, rtol=0, atol=1e-12)
+    fm.restore(model)
+
+
+def test_a_short_conv_that_behaves_otherwise_keeps_the_per_group_path():
+    """A class whose forward is not the structure the one pass reproduces (here: its output
+    doubled) fails the self-check on the probe and keeps the per-group calls, without error."""
+    from flexpack.mixers import conv
+
+    model = _model("short_conv", dtype=torch.float64)
+    mixer = model.get_submodule("model.layers.0.conv")
+
+    class Doubled(type(mixer)):
+        def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+            return 2 * super().forward(hidden_states, cache, attention_mask, **kwargs)
+
+    mixer.__class__ = Doubled
+    batch, _ = _rows(64, lengths=(7, 11, 5, 9), max_len=18)
+    x = torch.randn(*batch.doc_ids.shape, model.config.hidden_size, dtype=torch.float64)
+    with torch.no_grad():
+        alone = {(b, a, e): mixer(x[b : b + 1, a:e]) for b, a, e in _spans(batch.doc_ids)}
+        fm.adapt(model)
+        out = mixer(x, doc_ids=batch.doc_ids, attention_mask=None)
+    fm.restore(model)
+    assert conv._verified[Doubled] is False
+    for (b, a, e), want in alone.items():
+        torch.testing.assert_close(out[b, a:e], want[0], rtol=0, atol=1e-10)
+
+
+def test_plan_taps_stay_inside_documents():
+    ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 1, 1]])
+    taps = DocumentPlan.from_doc_ids(ids).taps(4)
+    for j in range(4):
+        for b in range(2):
+            for t in range(6):
+                want = ids[b, t] >= 0 and t >= j and bool(ids[b, t - j] == ids[b, t])
+                assert bool(taps[j, b, t]) == want, (j, b, t)
 
 
 # ----------------------------------------------------------------------------- whole models

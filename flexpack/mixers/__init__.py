@@ -475,6 +475,10 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
         first, others = (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
         first = first.reshape(B, S, *first.shape[2:])
         return (first, *(None for _ in others)) if others is not None else first
+    if room.one_pass is not None:  # the whole rows at once, where the room can (torch path)
+        out = room.one_pass(module, own, x, plan, rest)
+        if out is not None:
+            return out
     outs = [own(plan.split(x, g), **_take(rest, plan, g)) for g in range(len(plan.groups))]
     if not isinstance(outs[0], tuple):
         return plan.merge(outs)

@@ -15,6 +15,7 @@ flattened rows instead.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -142,3 +143,41 @@ class DocumentPlan:
         for (_, _, take, dest), piece in zip(self.groups, pieces, strict=True):
             flat = flat.index_copy(0, dest, piece.flatten(0, 1)[take])
         return flat.view(self.B, self.S, *pieces[0].shape[2:])
+
+    @functools.cached_property
+    def real(self) -> Tensor:
+        """(B, S) bool: True on the documents' tokens, False on padding (no host sync)."""
+        device = self.seq_idx.device
+        if self.single:
+            return torch.ones(self.B, self.S, dtype=torch.bool, device=device)
+        flat = torch.zeros(self.B * self.S, dtype=torch.bool, device=device)
+        for _, _, _, dest in self.groups:
+            flat = flat.index_fill(0, dest, True)
+        return flat.view(self.B, self.S)
+
+    @functools.cached_property
+    def _taps(self) -> dict[int, Tensor]:
+        return {}
+
+    def taps(self, kernel: int) -> Tensor:
+        """(kernel, B, S) bool: ``[j, b, t]`` is True where token t of row b is a document's and
+        token t - j belongs to the same document: the taps of a causal window of ``kernel``
+        tokens that stay inside a document (tap 0 is the token itself; padding has none).
+
+        Example:
+            >>> import torch
+            >>> from flexpack.mixers._plan import DocumentPlan
+            >>> p = DocumentPlan.from_doc_ids(torch.tensor([[0, 0, 0, 1, 1, -1]]))
+            >>> p.taps(2).int().tolist()
+            [[[1, 1, 1, 1, 1, 0]], [[0, 1, 1, 0, 1, 0]]]
+        """
+        found = self._taps.get(kernel)
+        if found is None:
+            segment = self.seq_idx.view(self.B, self.S)
+            found = self.real[None].repeat(kernel, 1, 1)
+            for j in range(1, min(kernel, self.S)):
+                found[j, :, j:] &= segment[:, j:] == segment[:, :-j]
+                found[j, :, :j] = False
+            found[min(kernel, self.S) :] = False
+            self._taps[kernel] = found
+        return found

@@ -122,6 +122,11 @@ class Room:
         all_outputs: the module returns a tuple of per-token tensors (a q, k, v projection),
             every one of them merged back; otherwise only the first output is (the others,
             caches or states of the whole row, come back as None).
+        one_pass: optional ``(module, own, x, plan, kwargs) -> output or None``: the module's
+            output on the whole packed (B, S, ...) rows at once, documents kept apart, for the
+            torch path (no kernel hand-off); ``own`` is the class's forward bound to the module
+            (for a behavioural self-check), ``kwargs`` the call's other keywords. None: not this
+            module or this call (the per-group calls run instead).
     """
 
     name: str
@@ -133,6 +138,7 @@ class Room:
     pad_factor: float = PAD_FACTOR
     recognised_by: str = ""
     all_outputs: bool = False
+    one_pass: Callable[..., object] | None = None
 
     def owns(self, module: torch.nn.Module) -> bool:
         if self.matches is not None:

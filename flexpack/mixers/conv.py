@@ -2,10 +2,14 @@
 that restarts per document.
 
 transformers' ``causal_conv1d_fn`` pads the row on the left only, so a document's first tokens
-see the previous document's last ``kernel - 1``. flexpack runs the module once per group of
-right-padded documents (torch); with causal-conv1d installed (on CUDA) the rows are flattened
-and ``seq_idx`` reaches the kernel (the mixer forwards its keywords to ``causal_conv1d_fn``).
-Mixers whose class also runs a scan or a delta rule belong to those rooms.
+see the previous document's last ``kernel - 1``. On the torch path flexpack runs a short conv
+(LFM2's ``in_proj`` -> B, C, x -> depthwise causal ``conv`` of B * x -> C * conv -> ``out_proj``)
+once over the whole packed rows, from the module's own submodules, with every tap that would
+cross a document boundary masked out (:func:`short_conv_one_pass`; K taps, K fused multiply-adds,
+no padding and no per-group calls); a class whose structure or behaviour differs from that runs
+once per group of right-padded documents instead. With causal-conv1d installed (on CUDA) the rows
+are flattened and ``seq_idx`` reaches the kernel (the mixer forwards its keywords to
+``causal_conv1d_fn``). Mixers whose class also runs a scan or a delta rule belong to those rooms.
 
 ZAYA's attention projects q and k through two causal convolutions it pads itself (``F.pad``,
 then ``Conv1d`` with ``padding=0``) and gives each value head half of the previous token's
@@ -16,10 +20,26 @@ come back merged.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch import Tensor
 
 from flexpack.mixers import delta, ssm
+from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
+
+# module class -> whether short_conv_one_pass gave its own forward's outputs on the probe
+_verified: dict[type, bool] = {}
+# keywords of the module's forward that would change what the one pass computes: a cache (its
+# names across releases), a padding mask, the conv's activation or state
+_CHANGES_THE_CONV = ("cache", "cache_params", "past_key_values", "layer_past", "attention_mask",
+                     "activation", "state_idx")  # fmt: skip
+_PROBE = [  # document ids of the self-check's rows: documents of 1 to 9 tokens, padding
+    [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1],
+    [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, -1, -1, -1, -1, -1],
+    [-1] * 16,
+]
 
 
 def _cca(module: torch.nn.Module) -> bool:
@@ -29,6 +49,112 @@ def _cca(module: torch.nn.Module) -> bool:
     )
 
 
+def _depthwise(module: torch.nn.Module) -> torch.nn.Conv1d | None:
+    """The module's ``conv`` when its structure is the short conv's: ``in_proj`` and
+    ``out_proj`` submodules beside a causal depthwise ``Conv1d`` (groups == channels, stride
+    and dilation 1, zero padding of kernel - 1) whose weights are not offloaded."""
+    conv = getattr(module, "conv", None)
+    if not (
+        isinstance(conv, torch.nn.Conv1d)
+        and isinstance(getattr(module, "in_proj", None), torch.nn.Module)
+        and isinstance(getattr(module, "out_proj", None), torch.nn.Module)
+    ):
+        return None
+    channels, kernel = conv.in_channels, conv.kernel_size[0]
+    if (
+        conv.out_channels != channels
+        or conv.groups != channels
+        or conv.stride != (1,)
+        or conv.dilation != (1,)
+        or conv.padding_mode != "zeros"
+        or conv.padding != (kernel - 1,)
+        or getattr(conv, "_hf_hook", None) is not None  # accelerate moves its weights
+    ):
+        return None
+    return conv
+
+
+def _masked_conv(conv: torch.nn.Conv1d, u: Tensor, taps: Tensor) -> Tensor:
+    """``conv`` over ``u`` (B, C, S) as ``causal_conv1d_fn`` computes it, with each tap that
+    ``taps`` (K, B, S) bool marks False left out: sum over j of u[t - j] * w[K - 1 - j]."""
+    weight = conv.weight[:, 0]  # (C, K)
+    K, S = weight.shape[-1], u.shape[-1]
+    v = u.to(weight.dtype)  # as causal_conv1d_fn: the weights' dtype, back to u's at the end
+    y = v * weight[:, K - 1, None] * taps[0, :, None].to(v.dtype)
+    for j in range(1, min(K, S)):
+        shifted = torch.nn.functional.pad(v[..., : S - j], (j, 0))  # (B, C, S): u[t - j]
+        y = y + shifted * weight[:, K - 1 - j, None] * taps[j, :, None].to(v.dtype)
+    if conv.bias is not None:
+        y = y + conv.bias[:, None]
+    return y.to(u.dtype)
+
+
+def short_conv_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
+    """A short conv's forward over packed rows, documents kept apart, in one pass.
+
+    ``in_proj`` -> B, C, x -> causal depthwise ``conv`` of B * x -> C * conv -> ``out_proj``, as
+    LFM2's ``Lfm2ShortConv.forward`` (transformers 5.17 to 5.25) without a cache, where a tap
+    reaches token t - j only inside t's document; padding tokens give zeros.
+
+    Args:
+        module: a short conv (:func:`_depthwise` accepts its structure).
+        x: (B, S, H) hidden states of packed rows.
+        plan: the rows' documents.
+
+    Returns:
+        (B, S, H), in the dtype ``module``'s own forward returns (autocast included).
+    """
+    conv = module.conv
+    projected = module.in_proj(x).transpose(-1, -2)  # (B, 3H, S)
+    b, c, h = projected.chunk(3, dim=-2)
+    y = c * _masked_conv(conv, b * h, plan.taps(conv.kernel_size[0]))  # (B, H, S)
+    out = module.out_proj(y.transpose(-1, -2).contiguous())  # (B, S, H)
+    return out * plan.real[..., None].to(out.dtype)
+
+
+def _per_group(own, x: Tensor, plan: DocumentPlan) -> Tensor:
+    return plan.merge([own(plan.split(x, g)) for g in range(len(plan.groups))])
+
+
+def _self_check(module: torch.nn.Module, own) -> bool:
+    """Does :func:`short_conv_one_pass` give the module's own forward (run per group of
+    documents) on a small random packed probe? Every real token within 1e-5 of its output's
+    norm, in the module's weights' dtype and device with autocast off (a bf16 / fp16 module
+    within 16 of its rounding steps: a tap across a boundary moves a token's output by tens of
+    percent)."""
+    conv = module.conv
+    device, dtype = conv.weight.device, conv.weight.dtype
+    try:
+        plan = DocumentPlan.from_doc_ids(torch.tensor(_PROBE, device=device))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(plan.B, plan.S, conv.in_channels, generator=g).to(device, dtype)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            want = _per_group(own, x, plan)
+            got = short_conv_one_pass(module, x, plan)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return False
+        tol = 1e-5 if torch.finfo(dtype).bits >= 32 else 16 * torch.finfo(dtype).eps
+        error = (got.double() - want.double()).norm(dim=-1)  # (B, S)
+        return bool((error <= tol * want.double().norm(dim=-1)).all())
+    except Exception:  # anything unexpected: the per-group calls, which run the module itself
+        return False
+
+
+def _one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
+    """SHORT_CONV's hook: the one pass where the module is the short conv it was verified to
+    be and the call changes nothing it leaves out (no cache, no padding mask, no activation)."""
+    if _depthwise(module) is None or x.dim() != 3 or x.shape[-1] != module.conv.in_channels:
+        return None
+    if any(kwargs.get(k) is not None for k in _CHANGES_THE_CONV):
+        return None
+    ok = _verified.get(type(module))
+    if ok is None:
+        if torch.compiler.is_compiling():
+            return None
+        ok = _verified[type(module)] = _self_check(module, own)
+    return short_conv_one_pass(module, x, plan) if ok else None
+
+
 SHORT_CONV = Room(
     "short_conv",
     functions=frozenset({"causal_conv1d_fn"}),
@@ -36,6 +162,7 @@ SHORT_CONV = Room(
     excludes=frozenset().union(*(r.functions for r in (*delta.ROOMS, *ssm.ROOMS))),
     how="the window restarts per document: documents run apart (torch); causal-conv1d's "
     "seq_idx (kernel)",
+    one_pass=_one_pass,
 )
 
 CCA_PROJECTION = Room(
