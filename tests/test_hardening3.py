@@ -31,7 +31,7 @@ def test_transformers_forward_keeps_int64_doc_ids(big):
     # _doc_ids cast to int32: 2**32 merged with document 0, 2**31 wrapped negative (padding).
     from flexpack.integrations.transformers import flexpack_attention_forward
 
-    d = torch.tensor([[0, 0, big, big, big, 0]])
+    d = torch.tensor([[0, 0, big, big, big, 1]])  # (an id in two runs is refused: 1, not 0)
     q, k, v = _qkv(1, 6)
     out, _ = flexpack_attention_forward(torch.nn.Module(), q, k, v, None, doc_ids=d)
     ref = reference_attention(q, k, v, fm.document(d) & fm.causal())

@@ -787,11 +787,15 @@ def _doc_ids(
         from flexpack.masks import _as_doc_ids
 
         ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
-    if given is not None:
+    if given is not None and ids.device.type == "cpu":
         from flexpack.layout import _run_starts
 
         # one rule for attention, loss and the mixers: an id names one run of a row (masks
-        # would join [0 0 1 1 0 0]'s runs, the mixers' states restart at each)
+        # would join [0 0 1 1 0 0]'s runs, the mixers' states restart at each). Checked where
+        # the ids are on the host: on a GPU the check would cost two host syncs a forward
+        # (tests/test_fake_cuda_paths.py holds a forward to one), so there the mixers' plan
+        # (a host copy it makes anyway) and PackedLayout refuse such ids, and the attention
+        # keeps the masks' equality rule.
         _run_starts(ids, given)
     ids = ids.expand(B, S)
     if padding is not None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flexpack.layout import _run_starts
+
 __all__ = ["DocumentPlan"]
 
 # A group's rows are padded to its longest document; documents (longest first) join the current
@@ -80,6 +82,7 @@ class DocumentPlan:
         B, S = doc_ids.shape
         device = doc_ids.device
         ids = doc_ids.detach().to("cpu", torch.int64)
+        _run_starts(ids)  # an id in two runs of a row is refused (on the host copy: no sync)
         # a new segment wherever the id changes or a row starts
         change = torch.ones(B, S, dtype=torch.bool)
         change[:, 1:] = ids[:, 1:] != ids[:, :-1]
