@@ -6,6 +6,7 @@ test_parallel_distributed.py."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import numpy as np
@@ -433,9 +434,14 @@ def test_torch_flex_cp_block_mask_takes_the_shards_balancer() -> None:
     dense = _dense(d)
     for r in range(2):
         s = shard_context(d, 2, r)
+        # a private torch function: torch 2.15 added a BLOCK_SIZE argument before device_mesh
+        extra = {}
+        if "BLOCK_SIZE" in inspect.signature(_create_cp_block_mask).parameters:
+            extra["BLOCK_SIZE"] = (128, 128)
         bm = _create_cp_block_mask(
-            mask.mask_mod, 1, 1, 512, 512, _OneRankMesh(r, 2), load_balancer=s.load_balancer()
-        )
+            mask.mask_mod, 1, 1, 512, 512, device_mesh=_OneRankMesh(r, 2),
+            load_balancer=s.load_balancer(), **extra,
+        )  # fmt: skip
         got = dense_mask(bm, 1, 1, 256, 512)[:, 0]
         assert torch.equal(got, dense[:, s.index[0]][:, :, s.gathered_index[0]])
 
