@@ -24,7 +24,7 @@ import flexpack.mixers as fm
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _zoo  # noqa: E402
-from test_mixers import FAMILIES, _config  # noqa: E402
+from test_mixers import FAMILIES, _model  # noqa: E402
 
 # ----------------------------------------------------------------------------- 1. position_ids
 
@@ -48,16 +48,6 @@ def test_position_ids_only_rows_are_exact_where_layers_drop_them(model_type):
 
 
 # ----------------------------------------------------------------------------- 2. caches
-
-
-def _model(kind: str, attn_implementation: str = "eager", dtype=torch.float32):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(
-            _config(kind, attn_implementation), dtype=dtype
-        )
-    return model.eval()
 
 
 def _docs(lengths, seed: int = 0, vocab: int = 64) -> list[torch.Tensor]:
