@@ -204,26 +204,47 @@ def test_checkpointed_recompute_uses_its_own_forwards_documents(other):
 # ----------------------------------------------------------------------------- 6. router aux loss
 
 
-def test_packed_sft_with_a_router_aux_loss_warns_once():
+def test_router_aux_loss_over_packed_rows_leaves_padding_out():
     """gpt-oss with output_router_logits=True (TRL's SFT defaults it on for MoE models): the
-    load-balancing loss is pooled over the packed rows, training differed with no word."""
+    load-balancing loss pooled the packed rows' padding (training differed with no word).
+    packed_forward_kwargs(model=...) marks the padding: the loss equals the unpacked batch's;
+    rows that do not mark it get a warning, once."""
     from flexpack.integrations.transformers import packed_forward_kwargs
 
-    model = _zoo.build("gpt_oss")[0].train()
-    model.config.output_router_logits = True
-    batch = flexpack.pack_sequences(_zoo.samples(model.config.vocab_size), _zoo.MAX_LEN)
+    model, reference = _zoo.build("gpt_oss")
+    model.train(), reference.train()  # gpt-oss has no dropout: train mode is deterministic
+    for m in (model, reference):
+        m.config.output_router_logits = True
+    docs = _zoo.samples(model.config.vocab_size)
+    batch = flexpack.pack_sequences(docs, _zoo.MAX_LEN)
+    assert (batch.doc_ids < 0).any()  # the row has padding
+    kwargs = packed_forward_kwargs(batch, labels=True, model=model)
+    torch.testing.assert_close(kwargs["attention_mask"], (batch.doc_ids >= 0).long())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # padding marked: nothing to say
+        packed = model(**kwargs).aux_loss
+    # unpacked: each sample its own right-padded row, transformers' own attention
+    longest = max(len(d) for d in docs)
+    ids = torch.stack([torch.nn.functional.pad(d, (0, longest - len(d))) for d in docs])
+    mask = torch.stack([torch.arange(longest) < len(d) for d in docs]).long()
+    unpacked = reference(input_ids=ids, attention_mask=mask, use_cache=False).aux_loss
+    torch.testing.assert_close(packed, unpacked, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # the padding did count before: without the mask the loss differs
+        pooled = model(**{k: v for k, v in kwargs.items() if k != "attention_mask"}).aux_loss
+    assert (pooled - unpacked).abs() > 1e-4
+
+    fresh = _zoo.build("gpt_oss")[0].train()
+    fresh.config.output_router_logits = True
     flat = dict(input_ids=batch.input_ids, position_ids=batch.position_ids.long(),
                 labels=batch.labels.long(), use_cache=False)  # fmt: skip
     with pytest.warns(UserWarning, match=r"GptOssForCausalLM returns an MoE auxiliary loss") as w:
-        assert torch.isfinite(model(**flat).loss)
-    assert any("output_router_logits=False (or router_aux_loss_coef=0)" in str(x.message)
-               for x in w)  # fmt: skip
+        assert torch.isfinite(fresh(**flat).loss)
+    assert any("attention_mask=(doc_ids >= 0).long()" in str(x.message) for x in w)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per model
-        model(**flat)
-        model(**packed_forward_kwargs(batch, labels=True, model=model))
-    model.config.output_router_logits = False
-    other = _zoo.build("gpt_oss")[0].train()  # no aux loss: nothing to say
+        fresh(**flat)
+    other = _zoo.build("gpt_oss")[0].train()  # no aux loss: nothing to say, no mask added
+    assert "attention_mask" not in packed_forward_kwargs(batch, model=other)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         other(**packed_forward_kwargs(batch, labels=True, model=other))

@@ -108,7 +108,7 @@ def documents(rows) -> list[dict]:
     return out
 
 
-def reference_run(model, tokenizer, steps, args):
+def reference_run(model, tokenizer, steps, args, **kwargs):
     """TRL's own SFTTrainer, unpacked and padded, over the same samples, step by step."""
     pad = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=PAD)
     batches = iter([documents(rows) for rows in steps])
@@ -118,7 +118,7 @@ def reference_run(model, tokenizer, steps, args):
 
     trainer = trl.SFTTrainer(
         model=model, args=args, processing_class=tokenizer, data_collator=collate,
-        train_dataset=datasets.Dataset.from_dict({"step": list(range(len(steps)))}),
+        train_dataset=datasets.Dataset.from_dict({"step": list(range(len(steps)))}), **kwargs,
     )  # fmt: skip
     trainer.train()
     return trainer
@@ -142,9 +142,9 @@ def test_training_equals_unpacked_trl(tmp_path, tokenizer, kind, reference_atten
     attention = model.config._attn_implementation
     reference = copy.deepcopy(model)
     reference.set_attn_implementation(reference_attention)
-    # gpt-oss: TRL turns its router's load-balancing loss on; over packed rows that is one
-    # batch, not per sample (flexpack warns), so the exact comparison runs without it.
-    extra = {"router_aux_loss_coef": 0.0} if kind == "gpt_oss" else {}
+    # gpt-oss: TRL turns its router's load-balancing loss on (router_aux_loss_coef 0.9): over
+    # the packed rows' real tokens it equals the loss over the same samples unpacked.
+    extra = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = SFTTrainer(
@@ -174,6 +174,79 @@ def test_training_equals_unpacked_trl(tmp_path, tokenizer, kind, reference_atten
     assert weight_diff < FP32
     # Training moved the weights far more than the tolerance: the comparison has teeth.
     assert max_param_diff(model, tiny(kind)) > 100 * FP32
+
+
+def per_sample_mean_loss(steps_docs: list[int]):
+    """The reference's per-document loss: for each micro-batch of right-padded samples, the sum
+    of each sample's mean token loss over the step's number of samples (TRL's compute_loss_func
+    hook, on the full logits)."""
+    counts = iter(steps_docs)
+
+    def loss(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].float()
+        target = labels[:, 1:]
+        nll = torch.nn.functional.cross_entropy(
+            logits.transpose(1, 2), target, ignore_index=-100, reduction="none"
+        )  # (B, S - 1)
+        supervised = target != -100
+        per_sample = nll.sum(1) / supervised.sum(1).clamp(min=1)
+        return per_sample[supervised.any(1)].sum() / next(counts)
+
+    return loss
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_5"])
+def test_per_document_loss_equals_unpacked_mean_of_sample_means(tmp_path, tokenizer, kind):
+    """reduction="document": each step's loss is the mean over its samples of each one's mean
+    token loss, over two accumulated micro-batches; equal, over the steps and in the weights, to
+    TRL's unpacked trainer computing exactly that from the full logits."""
+    model = tiny(kind)
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("sdpa")
+    steps, accumulate = 4, 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = SFTTrainer(
+            model=model, processing_class=tokenizer, train_dataset=prompt_completion(),
+            args=sft_args(tmp_path, "flexpack", max_steps=steps,
+                          gradient_accumulation_steps=accumulate),
+            reduction="document",
+        )  # fmt: skip
+        recorder = Recorder(trainer.data_collator)
+        trainer.data_collator = recorder
+        trainer.train()
+        micro = recorder.steps[: steps * accumulate]
+        per_step = [
+            sum(len(r["seqlens"]) for rows in micro[i : i + accumulate] for r in rows)
+            for i in range(0, len(micro), accumulate)
+        ]
+        # each micro-batch's compute_loss call divides by its step's samples
+        divisors = [n for n in per_step for _ in range(accumulate)]
+        ref = reference_run(
+            reference, tokenizer, micro,
+            sft_args(tmp_path, "trl", packing=False, padding_free=False, max_steps=steps,
+                     gradient_accumulation_steps=accumulate, remove_unused_columns=False,
+                     dataset_kwargs={"skip_prepare_dataset": True}),
+            compute_loss_func=per_sample_mean_loss(divisors),
+        )  # fmt: skip
+    ours, theirs = losses(trainer), losses(ref)
+    assert len(ours) == len(theirs) == steps
+    assert (ours - theirs).abs().max().item() < FP32
+    assert max_param_diff(model, reference) < FP32
+    assert max_param_diff(model, tiny(kind)) > 100 * FP32
+
+
+def test_per_document_weights_count_documents_not_tokens():
+    from flexpack.integrations.trl import _document_weights
+
+    labels = torch.tensor([[-100, 5, 6, -100, 7, -100], [-100, -100, 8, 9, 9, -100]])
+    doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 1, 1, 1]])
+    weight, documents = _document_weights(labels, doc_ids)
+    # row 0: document 0 has targets 5, 6 (1/2 each), document 1 has 7 (1); row 1: 8 in doc 0,
+    # 9 9 in doc 1 (the prompt-masked first token of doc 1 is a -100 target)
+    want = torch.tensor([[0.5, 0.5, 0, 1, 0], [0, 1, 0.5, 0.5, 0]])
+    torch.testing.assert_close(weight, want)
+    assert int(documents) == 4
 
 
 def test_flexpack_stats_in_logs(tmp_path, tokenizer):

@@ -274,7 +274,9 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
 
     Returns:
         ``{"input_ids": (R, S) int64, "position_ids": (R, S) int64, "doc_ids": (R, S) int32,
-        "use_cache": False}`` plus ``"labels"`` when asked; use as ``model(**kwargs)``.
+        "use_cache": False}`` plus ``"labels"`` when asked, and ``"attention_mask"`` (R, S)
+        int64 (1 = real token) for a ``model`` whose forward adds an MoE router loss (so it
+        leaves padding out, as unpacked training does); use as ``model(**kwargs)``.
 
     Raises:
         TypeError: ``batch`` lacks one of the tensors.
@@ -307,6 +309,8 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
     }
     if labels:
         kwargs["labels"] = batch.labels.long()
+    if model is not None and _aux_loss_on(model):  # the router's loss leaves padding out
+        kwargs["attention_mask"] = (batch.doc_ids >= 0).long()
     return kwargs
 
 
@@ -321,17 +325,15 @@ def _prepare(model: Any) -> None:
     if isinstance(inner, torch.nn.Module):
         mixers.adapt(inner)
         _mixers_check.check(inner)
-        _warn_router_aux_loss(inner, None)
 
 
 _aux_warned: weakref.WeakSet = weakref.WeakSet()
 
 
 def _packed(sources: dict[str, Any] | None) -> bool:
-    """Whether a call's sources describe packed rows (doc_ids, seq_idx or restarting positions);
-    None: the caller knows they do."""
+    """Whether a call's sources describe packed rows (doc_ids, seq_idx or restarting positions)."""
     if sources is None:
-        return True
+        return False
     if any(isinstance(sources.get(k), Tensor) for k in ("doc_ids", "seq_idx")):
         return True
     pos = sources.get("position_ids")
@@ -341,27 +343,33 @@ def _packed(sources: dict[str, Any] | None) -> bool:
     return bool((pos[..., 1:] - pos[..., :-1] != 1).any())
 
 
-def _warn_router_aux_loss(model: torch.nn.Module, sources: dict[str, Any] | None) -> None:
-    """Once per model: an MoE model whose forward adds the router's load-balancing loss
-    (``output_router_logits``) computes it over packed rows as one batch, padding included."""
+def _aux_loss_on(model: Any) -> bool:
+    """Whether ``model``'s forward adds the router's load-balancing loss (MoE models)."""
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if not getattr(text, "output_router_logits", False) or model in _aux_warned:
-        return
-    if not model.training or not _packed(sources):
-        return
+    if not getattr(text, "output_router_logits", False):
+        return False
     coef = getattr(text, "router_aux_loss_coef", None)
-    if coef is not None and not float(coef):
+    return coef is None or bool(float(coef))
+
+
+def _warn_router_aux_loss(model: torch.nn.Module, sources: dict[str, Any] | None) -> None:
+    """Once per model: an MoE model whose forward adds the router's load-balancing loss
+    (``output_router_logits``) on packed rows without an ``attention_mask`` marking their
+    padding pools the padding tokens into it."""
+    if model in _aux_warned or not model.training or not _aux_loss_on(model):
         return
+    if not _packed(sources) or isinstance(sources.get("attention_mask"), Tensor):
+        return  # padding marked: the loss is over the rows' real tokens, as unpacked
     _aux_warned.add(model)
     warnings.warn(
         f"flexpack: {type(model).__name__} returns an MoE auxiliary loss "
-        f"(config.output_router_logits=True, router_aux_loss_coef={coef}): transformers "
-        "computes the router's load-balancing loss over the packed rows as one batch (every "
-        "document of a row and its padding pooled), not per document, so packed training "
-        "differs from unpacked training in that term (the language-model loss is exact). Set "
-        "output_router_logits=False (or router_aux_loss_coef=0) to train without it, or add a "
-        "per-document balancing loss of your own from the router logits and doc_ids.",
+        "(config.output_router_logits=True): transformers computes the router's "
+        "load-balancing loss over every token of the packed rows, their padding included, "
+        "where unpacked training leaves padding out (the language-model loss is exact). Pass "
+        "attention_mask=(doc_ids >= 0).long() with the rows (packed_forward_kwargs(batch, "
+        "model=model) and flexpack's SFTTrainer do), or set output_router_logits=False (or "
+        "router_aux_loss_coef=0) to train without it.",
         UserWarning,
         stacklevel=3,
     )

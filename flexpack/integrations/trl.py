@@ -870,6 +870,7 @@ class _PackedCollator:
 
     max_len: int
     pad_id: int
+    padding_mask: bool = False  # also an attention_mask (1 = real token): see SFTTrainer
 
     def __call__(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         from flexpack.data import collate
@@ -879,7 +880,43 @@ class _PackedCollator:
         batch = collate(rows, max_len=self.max_len, pad_id=self.pad_id)
         kwargs = packed_forward_kwargs(batch, labels=True)
         del kwargs["use_cache"]  # TRL's compute_loss sets it
+        if self.padding_mask:
+            kwargs["attention_mask"] = (batch.doc_ids >= 0).long()
         return kwargs
+
+
+def _document_weights(labels: Tensor, doc_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-document loss weights for the shifted targets of packed rows, without a host sync.
+
+    labels, doc_ids: (R, S), HF-style unshifted labels (-100 = not supervised). Returns the
+    (R, S - 1) weight of each target ``labels[:, 1:]`` (1 / the supervised targets of its
+    document, 0 where not supervised) and the number of documents with a supervised target.
+    A document is a (row, id) pair; ids are below S.
+    """
+    supervised = labels[:, 1:] != -100
+    doc = doc_ids[:, 1:].long().clamp(min=0)
+    counts = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    counts.scatter_add_(1, doc, supervised.float())  # (R, S): supervised targets per id
+    weight = torch.where(supervised, 1.0 / counts.gather(1, doc).clamp(min=1), 0.0)
+    return weight, (counts > 0).sum()
+
+
+class _DocumentWeighted:
+    """The model as TRL's ``compute_loss`` calls it, with the fused head's per-token log-probs
+    weighted per document: TRL's ``sum(-log_probs) / num_items_in_batch`` with the number of
+    documents as ``num_items_in_batch`` is then the mean over documents of each one's mean."""
+
+    def __init__(self, model: Any, weight: Tensor) -> None:
+        self.model, self.weight = model, weight
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        if kwargs.get("fused_lm_head"):
+            out.log_probs = out.log_probs * self.weight.to(out.log_probs)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
 
 
 _SFT_STRATEGIES = {"bfd": "truncate", "bfd_split": "split"}
@@ -906,15 +943,38 @@ def _sft_class() -> type:
         per-token log-probs from the hidden states in chunks, never the (R, S, V) logits; the
         first token of every sample has label -100, so no prediction crosses a boundary).
 
+        ``reduction`` (keyword, flexpack's): ``"token"`` (TRL's: the mean over every supervised
+        token of the step) or ``"document"`` (the mean over the step's samples of each sample's
+        mean token loss, so a long answer weighs as much as a short one; across gradient
+        accumulation and ranks, as ``num_items_in_batch`` counts tokens for TRL).
+
+        An MoE model's router load-balancing loss (on when TRL turns it on) is taken over the
+        rows' real tokens (the rows carry an ``attention_mask`` marking padding), as TRL's
+        unpacked trainer takes it over the same samples' tokens.
+
         ``trainer.flexpack_stats`` (:class:`PackStats`) counts what training forwarded, and the
         logs carry ``flexpack/rows``, ``flexpack/fill``, ``flexpack/tokens`` and
         ``flexpack/padding_removed`` beside TRL's metrics (per micro-batch, averaged over the
         logging interval as TRL averages its own).
         """
 
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, reduction: str = "token", **kwargs: Any) -> None:
+            if reduction not in ("token", "document"):
+                raise ValueError(
+                    f"flexpack's SFTTrainer takes reduction='token' (TRL's mean over supervised "
+                    f"tokens) or 'document' (the mean of each sample's mean), got {reduction!r}."
+                )
             self.flexpack_stats = PackStats()
+            self.flexpack_reduction = reduction
             base.__init__(self, *args, **kwargs)
+            if reduction == "document" and (
+                self.compute_loss_func is not None or self.label_smoother is not None
+            ):
+                raise ValueError(
+                    "flexpack's SFTTrainer(reduction='document') weighs TRL's own token loss; "
+                    "it cannot with a compute_loss_func or label_smoothing_factor > 0. Drop "
+                    "those, or use reduction='token'."
+                )
             from flexpack.integrations.transformers import _prepare
 
             if self._is_vision_dataset:
@@ -927,7 +987,9 @@ def _sft_class() -> type:
             trl_collator = trl.trainer.sft_trainer.DataCollatorForLanguageModeling
             if isinstance(self.data_collator, trl_collator):  # TRL's own: replaced by flexpack's
                 self.data_collator = _PackedCollator(
-                    max_len=self._flexpack_max_len(self.args), pad_id=self._tokenizer.pad_token_id
+                    max_len=self._flexpack_max_len(self.args),
+                    pad_id=self._tokenizer.pad_token_id,
+                    padding_mask=self.aux_loss_enabled,  # the router's loss leaves padding out
                 )
 
         @staticmethod
@@ -995,11 +1057,29 @@ def _sft_class() -> type:
             mode = "train" if self.model.training else "eval"
             counted = self._flexpack_count(inputs, mode)
             before = self._total_train_tokens
+            if self.flexpack_reduction == "document" and "doc_ids" in inputs:
+                weight, documents = _document_weights(inputs["labels"], inputs["doc_ids"])
+                model = _DocumentWeighted(model, weight)
+                if num_items_in_batch is None:  # evaluation: this micro-batch's documents
+                    num_items_in_batch = documents
             out = base.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
             if counted is not None and mode == "train":
                 self._total_train_tokens = before + counted // self._tp_size
                 self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
             return out
+
+        def _get_num_items_in_batch(self, batch_samples: list, device: torch.device) -> Any:
+            """TRL's count of supervised tokens over the accumulated micro-batches (and ranks),
+            or of documents with ``reduction="document"``."""
+            if self.flexpack_reduction != "document" or not all(
+                "doc_ids" in b and "labels" in b for b in batch_samples
+            ):
+                return base._get_num_items_in_batch(self, batch_samples, device)
+            total = sum(_document_weights(b["labels"], b["doc_ids"])[1] for b in batch_samples)
+            total = torch.as_tensor(total, device=device)
+            if self.args.average_tokens_across_devices and self.args.world_size > 1:
+                total = self.accelerator.gather(total).sum()
+            return total
 
         def _flexpack_count(self, inputs: dict[str, Any], mode: str) -> int | None:
             """Count the micro-batch into the stats and TRL's metrics; its real tokens."""
