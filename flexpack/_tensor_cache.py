@@ -12,7 +12,7 @@ write                                       CPU tensor              CUDA tensor
 ==========================================  ======================  ======================
 in-place op (``ids.add_(1)``, ``ids[0]=``)  version counter         version counter
 ``ids.data = other``                        storage pointer         storage pointer
-a freed tensor, a new one at its ``id``     weak reference          weak reference
+a freed tensor, a new one at its ``id``     storage weak ref.       storage weak ref.
 through numpy (``torch.from_numpy(buf)``)   content copy            (numpy cannot)
 ``ids.data[...] = ...`` (no version bump,   content copy            not seen (see below)
 a tensor subclass too)
@@ -27,9 +27,11 @@ remove, so a CUDA stamp trusts the version counter and the storage: a write thro
 a CUDA tensor, or in place on a CUDA inference tensor, is not seen. Pass a new tensor (the usual
 case: every collated batch is one) or call :func:`flexpack.clear_caches` after such a write.
 
-A stamp holds a weak reference to its tensor, which ``torch.utils.swap_tensors`` refuses ("has
-weakref associated with it"): call :func:`flexpack.clear_caches` before swapping a tensor
-flexpack has read (doc ids, position ids).
+A stamp holds a weak reference to its tensor's storage (torch's own, as the CUDA caching
+allocator and multiprocessing use), not to the tensor: ``torch.utils.swap_tensors`` refuses a
+tensor that has a Python weak reference, so a tensor flexpack has read (doc ids, position ids)
+can be swapped. A new tensor at a freed one's ``id`` over a new storage does not match; over the
+same live storage, in the same layout and version, it holds what the old one held.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _V = TypeVar("_V")
 
@@ -86,9 +89,25 @@ def _content(t: Tensor) -> Tensor | object | None:
         return _UNCOPYABLE
 
 
+def _cdata(t: Tensor) -> int | None:
+    """The address of ``t``'s storage; None where it has none (a wrapper subclass, a trace)."""
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return None
+
+
+def _storage(t: Tensor) -> tuple[StorageWeakRef, int] | None:
+    """A weak reference to ``t``'s storage and its address; None where it has none."""
+    if _cdata(t) is None:
+        return None
+    storage = t.untyped_storage()
+    return StorageWeakRef(storage), storage._cdata
+
+
 class Stamp:
-    """What a tensor was when a value was derived from it: identity (a weak reference), version
-    counter, storage and layout, and on CPU a copy of its content.
+    """What a tensor was when a value was derived from it: its storage (a weak reference),
+    version counter and layout, and on CPU a copy of its content.
 
     Example:
         >>> import numpy as np, torch
@@ -99,17 +118,25 @@ class Stamp:
         False
     """
 
-    __slots__ = ("_content", "_layout", "_ref", "_version")
+    __slots__ = ("_content", "_layout", "_ref", "_storage", "_version")
 
     def __init__(self, t: Tensor) -> None:
-        self._ref = weakref.ref(t)
+        self._storage = _storage(t)
+        # a tensor without a storage of its own (a wrapper subclass): a weak reference to it
+        self._ref = weakref.ref(t) if self._storage is None else None
         self._version = version(t)
         self._layout = _layout(t)
         self._content = _content(t)
 
     def matches(self, t: Tensor) -> bool:
         """Whether ``t`` is the stamped tensor, unmodified as far as the stamp can tell."""
-        if self._ref() is not t or version(t) != self._version or _layout(t) != self._layout:
+        if self._storage is not None:
+            ref, cdata = self._storage
+            if ref.expired() or _cdata(t) != cdata:
+                return False
+        elif self._ref is None or self._ref() is not t:
+            return False
+        if version(t) != self._version or _layout(t) != self._layout:
             return False
         if self._content is _UNCOPYABLE:
             return False

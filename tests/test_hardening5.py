@@ -178,8 +178,9 @@ def _two_forwards_grads(model, calls) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("other", [(11, 7), (5, 4, 9)], ids=["same lengths", "other lengths"])
-def test_checkpointed_recompute_uses_its_own_forwards_documents(other):
+def test_checkpointed_recompute_uses_its_own_forwards_documents(other, reentrant):
     """Two forwards then one backward under gradient checkpointing: the recompute planned its
     documents from the latest call (Jamba's conv bias grad 17% off; other lengths: a raw
     CheckpointError). Gradients equal the same forwards without checkpointing."""
@@ -194,7 +195,7 @@ def test_checkpointed_recompute_uses_its_own_forwards_documents(other):
     want = _two_forwards_grads(model, calls)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # transformers' deprecation of the old name
-        model.gradient_checkpointing_enable()
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
     got = _two_forwards_grads(model, calls)
     assert got.keys() == want.keys()
     for name in want:
@@ -348,16 +349,23 @@ def test_mrope_position_ids_without_doc_ids_into_a_text_model():
             torch.testing.assert_close(out.last_hidden_state[b, a:e], want, rtol=0, atol=1e-4)
 
 
-def test_swap_tensors_on_doc_ids_after_clear_caches():
-    """flexpack's caches hold weak references to the ids they stamped, which
-    torch.utils.swap_tensors refuses; flexpack.clear_caches() lets them go."""
+@pytest.mark.parametrize("kind", ["short_conv", "gated_delta_rule"])
+def test_swap_tensors_on_doc_ids_after_a_call(kind):
+    """torch.utils.swap_tensors refused doc ids flexpack had read ("has weakref associated with
+    it": the caches' stamps held weak references to them). The stamps hold the storage's now:
+    the swap runs, and the next call sees the swapped-in layout."""
     from flexpack.integrations.transformers import register
 
-    model = _model("short_conv", register())
+    model = _model(kind, register())
+    reference = _model(kind)
     ids, doc_ids, _, _ = _rows_of([[7, 11]], S=18)
     with torch.no_grad():
         model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
-    flexpack.clear_caches()
-    other = torch.zeros_like(doc_ids)
-    torch.utils.swap_tensors(doc_ids, other)
-    assert not doc_ids.any()
+        _, other, docs, spans = _rows_of([[12, 6]], S=18)
+        ids = torch.cat(docs)[None]
+        torch.utils.swap_tensors(doc_ids, other)  # no clear_caches() first
+        assert torch.equal(doc_ids[0, 11:13], torch.tensor([0, 1], dtype=torch.int32))
+        out = model(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
+        for (b, a, e), doc in zip(spans, docs, strict=True):
+            want = reference(input_ids=doc[None], use_cache=False).logits[0]
+            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-4)

@@ -776,6 +776,9 @@ def _doc_ids(
                 raise ValueError(
                     f"{name} must be a (B, S) = {(B, S)} integer tensor like input_ids, got {got}."
                 )
+            # an alias (same storage and version counter), not a view of the caller's tensor:
+            # what the caches keep must not hold it (torch.utils.swap_tensors counts its uses)
+            ids = ids.detach()
             break
     else:
         if position_ids is None:

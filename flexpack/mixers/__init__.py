@@ -89,7 +89,7 @@ class _Call:
     ``sources``: each checkpointed layer's input tensor is remembered with the sources of its
     forward (``replay``), and a replayed layer finds its input on the call stack (the
     checkpoint holds that same tensor object to replay it: torch's non-reentrant checkpoint,
-    transformers' default)."""
+    transformers' default; the reentrant one keeps it in its saved tensors)."""
 
     def __init__(self) -> None:
         self.sources: dict[str, Any] = {}
@@ -227,8 +227,7 @@ class _Adapted:
 
 
 def _clear_plans() -> None:
-    """flexpack.clear_caches(): forget every model's plan (and the stamps' weak references to
-    the call's ids, which torch.utils.swap_tensors refuses to swap)."""
+    """flexpack.clear_caches(): forget every model's plan."""
     for state in list(_models.values()):
         state.call.plan_key = state.call.stamped = None
         state.call.plans = {}
