@@ -29,7 +29,7 @@ from test_mixers import FAMILIES, _model  # noqa: E402
 # ----------------------------------------------------------------------------- 1. position_ids
 
 
-@pytest.mark.parametrize("model_type", ["llama4_text", "zaya"])
+@pytest.mark.parametrize("model_type", ["llama4_text", "zaya", "kimi_linear", "bailing_hybrid"])
 def test_position_ids_only_rows_are_exact_where_layers_drop_them(model_type):
     """A default DataCollatorWithFlattening batch: position_ids restart per document, no doc_ids.
     Llama 4's decoder layer and ZAYA's model never hand position_ids to attention (leaked
@@ -296,7 +296,8 @@ def layouts(draw):
 def test_every_room_on_random_layouts_equals_each_document_alone(kind, layout):
     """Random rows (padding rows, all padding, documents split into runs of one id): each
     document's outputs equal the document alone (float64), padding gives zeros, an id naming
-    two runs is refused; and the whole model gives the same logits with a cache as without."""
+    two runs is refused; the whole model gives the same logits with a cache as without, and
+    the same gradients under checkpointing with two forwards before one backward."""
     rows, split = layout
     model, mixer, extra, args, whole = _mixer_of(kind)
     ids, doc_ids, _, spans = _rows_of(rows, S=S_PROP)
@@ -324,6 +325,22 @@ def test_every_room_on_random_layouts_equals_each_document_alone(kind, layout):
         plain = whole(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
     real = doc_ids >= 0
     torch.testing.assert_close(cached[real], plain[real], rtol=0, atol=1e-6)
+    # gradient checkpointing, two forwards (this layout, then its rows swapped), one backward:
+    # each replay plans its own forward's documents, the gradients are the plain ones
+    calls = [dict(input_ids=i, doc_ids=d, use_cache=False)
+             for i, d in ((ids, doc_ids), (ids.flip(0), doc_ids.flip(0)))]  # fmt: skip
+    whole.train()
+    try:
+        want = _two_forwards_grads(whole, calls)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # transformers' deprecation of the old name
+            whole.gradient_checkpointing_enable()
+        got = _two_forwards_grads(whole, calls)
+    finally:
+        whole.gradient_checkpointing_disable()
+        whole.eval()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 def _first(out):

@@ -313,6 +313,40 @@ def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path, precompute):
         torch.testing.assert_close(runs["flexpack-ref"], runs["trl-ref"], atol=1e-4, rtol=0)
 
 
+def test_dpo_on_a_hybrid_logs_trls_metrics(tokenizer, tmp_path):
+    """LFM2 (short convs) takes TRL's padded path with a warning. The policy ran on flexpack
+    attention and the reference on its own: at step 0 their log-probs differed by rounding, so
+    rewards/accuracies logged 0.33 where TRL logs 0.0 (its rewards tie at exactly 0). Both run
+    flexpack's now: every logged metric equals TRL's."""
+    from flexpack.integrations._tiny import tiny_config
+
+    def lfm2():
+        torch.manual_seed(0)
+        config = tiny_config(transformers.Lfm2Config())
+        config.vocab_size = 128
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    logs = {}
+    for name, cls in (("trl", trl.DPOTrainer), ("flexpack", ftrl.DPOTrainer)):
+        args = trl.DPOConfig(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=2,
+            use_cpu=True, bf16=False, report_to=[], seed=0, logging_steps=1,
+            save_strategy="no", learning_rate=1e-2, beta=0.1,
+        )  # fmt: skip
+        trainer = cls(model=lfm2(), ref_model=lfm2(), args=args, train_dataset=dpo_data(),
+                      processing_class=tokenizer)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        logs[name] = [h for h in trainer.state.log_history if "loss" in h]
+    assert trainer.flexpack_stats.fallbacks > 0  # the hybrid took TRL's path
+    assert logs["trl"][0]["rewards/accuracies"] == 0.0  # rewards tie at 0 at step 0
+    for a, b in zip(logs["flexpack"], logs["trl"], strict=True):
+        assert a["rewards/accuracies"] == b["rewards/accuracies"]
+        for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert a[k] == pytest.approx(b[k], abs=1e-4), k
+
+
 def test_dpo_pairs_sharing_earlier_turns_pack_as_multi_level_trees(
     tokenizer, tmp_path, monkeypatch
 ):

@@ -420,7 +420,14 @@ class _TreeMixin:
         """
         from flexpack.integrations.transformers import register
 
-        with _attn_implementation(_inner(self.model), register()):
+        ref = getattr(self, "ref_model", None)
+        with contextlib.ExitStack() as stack:
+            # the reference model too: where a batch takes TRL's own path, policy and reference
+            # then run the same code, and TRL's step-0 rewards tie at exactly 0 as in TRL's own
+            # trainer (rounding between two attention paths flipped rewards/accuracies)
+            for model in (self.model, ref):
+                if model is not None:
+                    stack.enter_context(_attn_implementation(_inner(_unwrapped(model)), register()))
             return super().train(*args, **kwargs)
 
     def _flexpack_fallback(self, why: str) -> None:
