@@ -134,15 +134,16 @@ def short_conv_paths(batch, own_kwargs) -> None:
             layer(lambda: cls.forward(mixer, x)),
         )
     }
-    verified = conv._verified.get(cls)
-    conv._verified[cls] = False  # what the room ran before the one pass: per-group calls
+    checked = conv.SHORT_CONV.one_pass.verified
+    verified = checked.get(cls)
+    checked[cls] = False  # what the room ran before the one pass: per-group calls
     try:
         rows["flexpack, per group of documents"] = (
             _step_time(model, kwargs),
             layer(lambda: mixer(x, doc_ids=batch.doc_ids)),
         )
     finally:
-        conv._verified[cls] = verified if verified is not None else True
+        checked[cls] = verified if verified is not None else True
     rows["flexpack, one pass (masked taps)"] = (
         _step_time(model, kwargs),
         layer(lambda: mixer(x, doc_ids=batch.doc_ids)),

@@ -20,26 +20,12 @@ come back merged.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import Tensor
 
-from flexpack.mixers import delta, ssm
+from flexpack.mixers import _one_pass, delta, ssm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
-
-# module class -> whether short_conv_one_pass gave its own forward's outputs on the probe
-_verified: dict[type, bool] = {}
-# keywords of the module's forward that would change what the one pass computes: a cache (its
-# names across releases), a padding mask, the conv's activation or state
-_CHANGES_THE_CONV = ("cache", "cache_params", "past_key_values", "layer_past", "attention_mask",
-                     "activation", "state_idx")  # fmt: skip
-_PROBE = [  # document ids of the self-check's rows: documents of 1 to 9 tokens, padding
-    [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1],
-    [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, -1, -1, -1, -1, -1],
-    [-1] * 16,
-]
 
 
 def _cca(module: torch.nn.Module) -> bool:
@@ -112,47 +98,8 @@ def short_conv_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) 
     return out * plan.real[..., None].to(out.dtype)
 
 
-def _per_group(own, x: Tensor, plan: DocumentPlan) -> Tensor:
-    return plan.merge([own(plan.split(x, g)) for g in range(len(plan.groups))])
-
-
-def _self_check(module: torch.nn.Module, own) -> bool:
-    """Does :func:`short_conv_one_pass` give the module's own forward (run per group of
-    documents) on a small random packed probe? Every real token within 1e-5 of its output's
-    norm, in the module's weights' dtype and device with autocast off (a bf16 / fp16 module
-    within 16 of its rounding steps: a tap across a boundary moves a token's output by tens of
-    percent)."""
-    conv = module.conv
-    device, dtype = conv.weight.device, conv.weight.dtype
-    try:
-        plan = DocumentPlan.from_doc_ids(torch.tensor(_PROBE, device=device))
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(plan.B, plan.S, conv.in_channels, generator=g).to(device, dtype)
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            want = _per_group(own, x, plan)
-            got = short_conv_one_pass(module, x, plan)
-        if got.shape != want.shape or got.dtype != want.dtype:
-            return False
-        tol = 1e-5 if torch.finfo(dtype).bits >= 32 else 16 * torch.finfo(dtype).eps
-        error = (got.double() - want.double()).norm(dim=-1)  # (B, S)
-        return bool((error <= tol * want.double().norm(dim=-1)).all())
-    except Exception:  # anything unexpected: the per-group calls, which run the module itself
-        return False
-
-
-def _one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
-    """SHORT_CONV's hook: the one pass where the module is the short conv it was verified to
-    be and the call changes nothing it leaves out (no cache, no padding mask, no activation)."""
-    if _depthwise(module) is None or x.dim() != 3 or x.shape[-1] != module.conv.in_channels:
-        return None
-    if any(kwargs.get(k) is not None for k in _CHANGES_THE_CONV):
-        return None
-    ok = _verified.get(type(module))
-    if ok is None:
-        if torch.compiler.is_compiling():
-            return None
-        ok = _verified[type(module)] = _self_check(module, own)
-    return short_conv_one_pass(module, x, plan) if ok else None
+def _fits(module: torch.nn.Module) -> bool:
+    return _depthwise(module) is not None
 
 
 SHORT_CONV = Room(
@@ -160,9 +107,9 @@ SHORT_CONV = Room(
     functions=frozenset({"causal_conv1d_fn"}),
     varlen={"seq_idx": "seq_idx"},
     excludes=frozenset().union(*(r.functions for r in (*delta.ROOMS, *ssm.ROOMS))),
-    how="the window restarts per document: documents run apart (torch); causal-conv1d's "
-    "seq_idx (kernel)",
-    one_pass=_one_pass,
+    how="the window restarts per document: one pass over the rows with the taps across "
+    "document starts masked (torch), else documents run apart; causal-conv1d's seq_idx (kernel)",
+    one_pass=_one_pass.hook(short_conv_one_pass, _fits),
 )
 
 CCA_PROJECTION = Room(

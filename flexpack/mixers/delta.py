@@ -2,24 +2,196 @@
 (Kimi Linear, Bailing hybrid: KDA): per-document recurrent state and causal conv.
 
 Without fla, transformers runs ``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention``
-and ``causal_conv1d_fn`` over the whole row: state and conv window cross documents. flexpack runs
-the module once per group of right-padded documents (:mod:`flexpack.mixers._plan`), so each
-starts from a zero state. With fla and causal-conv1d installed (on CUDA), the rows are flattened
-to one and the boundaries go to the kernels' varlen arguments: GatedDeltaNet forwards
-``cu_seq_lens_q`` to the rule's ``cu_seqlens``, KDA forwards its keywords as they are
-(``cu_seqlens``), and both forward ``seq_idx`` to ``causal_conv1d_fn``.
+and ``causal_conv1d_fn`` over the whole row: state and conv window cross documents. On that torch
+path flexpack runs a Qwen3.5-style GatedDeltaNet once over the whole packed rows
+(:func:`gated_delta_one_pass`: the conv's taps masked at document boundaries, and
+:func:`segment_chunk_gated_delta_rule`, transformers' chunked algorithm with the decay between
+two tokens of different documents set to zero and the state carried across a chunk cut where a
+document starts), self-checked per class; other classes run once per group of right-padded
+documents (:mod:`flexpack.mixers._plan`), so each starts from a zero state. With fla and
+causal-conv1d installed (on CUDA), the rows are flattened to one and the boundaries go to the
+kernels' varlen arguments: GatedDeltaNet forwards ``cu_seq_lens_q`` to the rule's
+``cu_seqlens``, KDA forwards its keywords as they are (``cu_seqlens``), and both forward
+``seq_idx`` to ``causal_conv1d_fn``.
 """
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flexpack.mixers import _one_pass
+from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
+
+CHUNK = 64  # transformers' torch_chunk_gated_delta_rule's default
+
+
+def _l2norm(x: Tensor) -> Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # as transformers / fla
+
+
+def segment_chunk_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor,
+    *,
+    chunk_size: int = CHUNK,
+    use_qk_l2norm: bool = True,
+) -> Tensor:
+    """The gated delta rule over rows of several documents, each from a zero state.
+
+    transformers' ``torch_chunk_gated_delta_rule`` (the same chunked UT transform, in fp32, or
+    float64 for float64 inputs), with
+    the documents kept apart: inside a chunk the decay between two tokens of different
+    segments is zero (so the triangular system decouples per document), the cumulative decays
+    are summed per segment (never a difference of row-wide sums, which would cancel an earlier
+    document's large decays), and the state carried into a chunk reaches only the segment it
+    continues; the state carried out of it only the segment that reaches its end.
+
+    Args:
+        query, key: (B, S, Hk, Dk).
+        value: (B, S, Hv, Dv); Hv a multiple of Hk.
+        g: (B, S, Hv) log decays (<= 0).
+        beta: (B, S, Hv).
+        segments: (B, S) integer segment of each token (a new value wherever a document, or a
+            run of padding, starts; equal values only within one run).
+        chunk_size: tokens per chunk.
+        use_qk_l2norm: normalise q and k as the kernel does.
+
+    Returns:
+        (B, S, Hv, Dv) in ``query``'s dtype.
+    """
+    dtype = query.dtype
+    compute = torch.promote_types(dtype, torch.float32)  # fp32 as transformers; float64 kept
+    B, S, Hk, Dk = key.shape
+    Hv, Dv = value.shape[-2:]
+    if Hk != Hv:
+        query = query.repeat_interleave(Hv // Hk, dim=2)
+        key = key.repeat_interleave(Hv // Hk, dim=2)
+    query, key, value, beta, g = (
+        t.transpose(1, 2).to(compute, memory_format=torch.contiguous_format)
+        for t in (query, key, value, beta, g)
+    )  # (B, H, S, ...)
+    if use_qk_l2norm:
+        query, key = _l2norm(query), _l2norm(key)
+    query = query * Dk**-0.5
+    C = chunk_size
+    pad = (C - S % C) % C
+    query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+    beta, g = (F.pad(t, (0, pad)) for t in (beta, g))
+    last = segments[:, -1:]
+    seg = torch.cat([segments, (last + 1).expand(B, pad)], dim=1) if pad else segments
+    N = (S + pad) // C
+    v_beta = value * beta[..., None]
+    k_beta = key * beta[..., None]
+    query, key, k_beta, v_beta = (t.reshape(B, Hv, N, C, -1) for t in (query, key, k_beta, v_beta))
+    g = g.reshape(B, Hv, N, C)
+    seg = seg.reshape(B, 1, N, C)
+    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    same = (seg[..., :, None] == seg[..., None, :]) & lower  # (B, 1, N, C, C): j <= i, one doc
+    # cumulative decay from the chunk's start (or the segment's) to each token, per segment
+    cum = (g[..., None, :] * same).sum(-1)  # (B, H, N, C)
+    pairwise = (cum[..., :, None] - cum[..., None, :]).masked_fill(~same, float("-inf")).exp()
+    # the segment that continues the previous chunk (none in the first chunk)
+    before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
+    carry = seg == before  # (B, 1, N, C)
+    into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
+    ut = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        ut, k_beta * into[..., None], upper=False, unitriangular=True
+    )
+    query = query * into[..., None]
+    # what reaches the chunk's end: tokens of its last segment, decayed to the end
+    tail = seg == seg[..., -1:]
+    key = key * ((cum[..., -1:] - cum).masked_fill(~tail, float("-inf")).exp())[..., None]
+    chunk_decay = into[..., -1, None, None]  # (B, H, N, 1, 1)
+    state = query.new_zeros(B, Hv, Dk, Dv)
+    out = torch.empty_like(new_values)
+    for i in range(N):
+        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
+        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
+        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    out = out.reshape(B, Hv, -1, Dv)[:, :, :S]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+
+
+def _fits(module: torch.nn.Module) -> bool:
+    """Qwen3.5's GatedDeltaNet structure: separate q/k/v, z, b, a projections, a causal
+    depthwise conv1d, A_log and dt_bias, a gated norm and the output projection."""
+    if not all(isinstance(getattr(module, n, None), torch.nn.Module) for n in _PARTS):
+        return False
+    if not all(isinstance(getattr(module, n, None), Tensor) for n in ("A_log", "dt_bias")):
+        return False
+    conv = module.conv1d
+    return (
+        isinstance(conv, torch.nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels
+        and conv.padding == (conv.kernel_size[0] - 1,)
+        and conv.stride == (1,)
+        and conv.dilation == (1,)
+        and getattr(conv, "_hf_hook", None) is None  # accelerate moves its weights
+        and all(isinstance(getattr(module, n, None), int) for n in
+                ("head_k_dim", "head_v_dim", "key_dim", "value_dim"))
+        and isinstance(getattr(module, "activation", None), str)
+    )  # fmt: skip
+
+
+def gated_delta_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
+    """A GatedDeltaNet's forward over packed rows, documents kept apart, in one pass.
+
+    As Qwen3.5's ``forward`` without a cache (transformers 5.17 to 5.25): projections, the
+    causal conv with its taps masked at document boundaries, the gated delta rule by
+    :func:`segment_chunk_gated_delta_rule`, the gated norm and the output projection; padding
+    tokens give zeros.
+
+    Args:
+        module: a GatedDeltaNet whose structure :func:`_fits` accepts.
+        x: (B, S, H) hidden states of packed rows.
+        plan: the rows' documents.
+
+    Returns:
+        (B, S, H), in the dtype ``module``'s own forward returns (autocast included).
+    """
+    from transformers.activations import ACT2FN
+
+    from flexpack.mixers.conv import _masked_conv
+
+    B, S, _ = x.shape
+    conv = module.conv1d
+    taps = plan.taps(conv.kernel_size[0])
+    mixed = _masked_conv(conv, module.in_proj_qkv(x).transpose(1, 2), taps)
+    mixed = ACT2FN[module.activation](mixed).transpose(1, 2)  # (B, S, conv channels)
+    q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(B, S, -1, module.head_k_dim)
+    k = k.reshape(B, S, -1, module.head_k_dim)
+    v = v.reshape(B, S, -1, module.head_v_dim)
+    z = module.in_proj_z(x).reshape(B, S, -1, module.head_v_dim)
+    beta = module.in_proj_b(x).sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(x).float() + module.dt_bias)
+    core = segment_chunk_gated_delta_rule(q, k, v, g, beta, plan.seq_idx.view(B, S))
+    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    out = module.out_proj(core.reshape(B, S, -1))
+    return out * plan.real[..., None].to(out.dtype)
+
 
 GATED_DELTA_RULE = Room(
     "gated_delta_rule",
     functions=frozenset({"torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"}),
     varlen={"cu_seq_lens_q": "cu_seqlens", "seq_idx": "seq_idx"},
-    how="state and conv restart per document: documents run apart (torch); fla's cu_seqlens "
-    "and causal-conv1d's seq_idx (kernels)",
+    how="state and conv restart per document: one pass over the rows (torch, Qwen3.5's "
+    "structure), else documents run apart; fla's cu_seqlens and causal-conv1d's seq_idx "
+    "(kernels)",
+    one_pass=_one_pass.hook(gated_delta_one_pass, _fits),
 )
 
 KDA = Room(

@@ -1,0 +1,88 @@
+"""The one-pass hook a room gives its kind: the module's forward over whole packed rows at once
+(documents kept apart inside the computation), used where a self-check found it equal to the
+module's own forward run per group of documents.
+
+A room's one-pass function recomputes the module's forward from its submodules and parameters;
+a class whose structure or behaviour differs (another release, another family of the same kind)
+must not take it. So each module class is probed once, on a small random packed batch, against
+its own forward per group of right-padded documents; a class that differs, or raises, keeps the
+per-group path. A call with a cache, a padding mask or another keyword the one pass leaves out
+keeps it too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from flexpack.mixers._plan import DocumentPlan
+
+# keywords of a module's forward that would change what a one pass computes: a cache (its names
+# across releases), a padding mask, a conv's activation or state
+CHANGES_THE_PASS = ("cache", "cache_params", "past_key_values", "layer_past", "attention_mask",
+                    "activation", "state_idx")  # fmt: skip
+# document ids of the self-check's rows: documents of 1 to 9 tokens, one longer than a chunk of
+# 8 (the scans' chunking: a document crossing chunks, one starting mid-chunk), padding
+PROBE = [
+    [0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 4, -1],
+    [0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, -1, -1, -1, -1, -1],
+    [-1] * 16,
+]
+
+OnePass = Callable[[torch.nn.Module, Tensor, DocumentPlan], Tensor]
+
+
+def per_group(own: Callable, x: Tensor, plan: DocumentPlan) -> Tensor:
+    """The module's own forward, once per group of right-padded documents, merged back."""
+    outs = [own(plan.split(x, g)) for g in range(len(plan.groups))]
+    return plan.merge([o[0] if isinstance(o, tuple) else o for o in outs])
+
+
+def self_check(module: torch.nn.Module, own: Callable, fn: OnePass, width: int) -> bool:
+    """Does ``fn`` give the module's own forward (run per group of documents) on a small random
+    packed probe of ``width`` features? Every real token within 1e-5 of its output's norm, in
+    the module's parameters' dtype and device with autocast off (bf16 / fp16: 16 rounding
+    steps; a state or tap across a boundary moves a token's output by tens of percent)."""
+    param = next(module.parameters(), None)
+    if param is None:
+        return False
+    device, dtype = param.device, param.dtype
+    try:
+        plan = DocumentPlan.from_doc_ids(torch.tensor(PROBE, device=device))
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(plan.B, plan.S, width, generator=g).to(device, dtype)
+        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+            want = per_group(own, x, plan)
+            got = fn(module, x, plan)
+        if got.shape != want.shape or got.dtype != want.dtype:
+            return False
+        tol = 1e-5 if torch.finfo(dtype).bits >= 32 else 16 * torch.finfo(dtype).eps
+        error = (got.double() - want.double()).norm(dim=-1)  # (B, S)
+        return bool((error <= tol * want.double().norm(dim=-1)).all())
+    except Exception:  # anything unexpected: the per-group calls, which run the module itself
+        return False
+
+
+def hook(fn: OnePass, fits: Callable[[torch.nn.Module], bool]) -> Callable[..., Any]:
+    """A ``Room.one_pass`` hook: ``fn`` on the whole rows where the module ``fits`` (its
+    structure), the call changes nothing ``fn`` leaves out, and the module's class passed
+    :func:`self_check` (probed at its first call, outside compilation)."""
+    verified: dict[type, bool] = {}
+
+    def one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
+        if x.dim() != 3 or not fits(module):
+            return None
+        if any(kwargs.get(k) is not None for k in CHANGES_THE_PASS):
+            return None
+        ok = verified.get(type(module))
+        if ok is None:
+            if torch.compiler.is_compiling():
+                return None
+            ok = verified[type(module)] = self_check(module, own, fn, x.shape[-1])
+        return fn(module, x, plan) if ok else None
+
+    one_pass.verified = verified  # type: ignore[attr-defined]
+    return one_pass
