@@ -186,7 +186,7 @@ def test_one_pass_is_each_document_alone_float64(kind, layout):
 def _count(monkeypatch):
     """Calls of the one pass and of the per-group split, from now on."""
     calls = {"one_pass": 0, "split": 0}
-    one_pass, split = ssm.mamba2_one_pass, DocumentPlan.split
+    one_pass, split = ssm.MAMBA2.one_pass.fn, DocumentPlan.split
 
     def counted_one_pass(*args, **kwargs):
         calls["one_pass"] += 1
@@ -196,7 +196,7 @@ def _count(monkeypatch):
         calls["split"] += 1
         return split(*args, **kwargs)
 
-    monkeypatch.setattr(ssm, "mamba2_one_pass", counted_one_pass)
+    monkeypatch.setattr(ssm.MAMBA2.one_pass, "fn", counted_one_pass)
     monkeypatch.setattr(DocumentPlan, "split", counted_split)
     return calls
 
@@ -220,7 +220,7 @@ def test_adapted_mixer_runs_the_one_pass_float32(kind, monkeypatch):
         assert dict(fm.mixers_of(model))[mixer_name(model, mixer)] == "mamba2"
         with torch.no_grad():
             mixer(x, doc_ids=doc_ids, attention_mask=None)  # the class's self-check runs once
-        assert ssm._verified[type(mixer)]
+        assert ssm.MAMBA2.one_pass.verified[type(mixer)]
         calls = _count(monkeypatch)
         packed = x.clone().requires_grad_()
         out = mixer(packed, doc_ids=doc_ids, attention_mask=None)
@@ -247,8 +247,10 @@ def test_float64_rows_and_a_cache_keep_the_per_group_calls(monkeypatch):
     doc_ids = _layout(LAYOUTS["mixed"])
     x, _ = _inputs(model, doc_ids, torch.float64)
     plan = DocumentPlan.from_doc_ids(doc_ids)
-    assert ssm._one_pass(mixer, None, x, plan, {}) is None
-    assert ssm._one_pass(mixer, None, x.float(), plan, {"attention_mask": doc_ids >= 0}) is None
+    assert ssm.MAMBA2.one_pass(mixer, None, x, plan, {}) is None
+    assert (
+        ssm.MAMBA2.one_pass(mixer, None, x.float(), plan, {"attention_mask": doc_ids >= 0}) is None
+    )
     fm.adapt(model)
     try:
         calls = _count(monkeypatch)
@@ -278,8 +280,8 @@ def test_a_mixer_built_otherwise_fails_closed():
     x, _ = _inputs(model, doc_ids, torch.float32)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     own = Doubled.forward.__get__(mixer)
-    assert ssm._one_pass(mixer, own, x, plan, {}) is None
-    assert ssm._verified[Doubled] is False
+    assert ssm.MAMBA2.one_pass(mixer, own, x, plan, {}) is None
+    assert ssm.MAMBA2.one_pass.verified[Doubled] is False
 
 
 @st.composite

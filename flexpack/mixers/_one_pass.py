@@ -41,17 +41,20 @@ def per_group(own: Callable, x: Tensor, plan: DocumentPlan) -> Tensor:
     return plan.merge([o[0] if isinstance(o, tuple) else o for o in outs])
 
 
-def self_check(module: torch.nn.Module, own: Callable, fn: OnePass, width: int) -> bool:
-    """Does ``fn`` give the module's own forward (run per group of documents) on a small random
-    packed probe of ``width`` features? Every real token within 1e-5 of its output's norm, in
-    the module's parameters' dtype and device with autocast off (bf16 / fp16: 16 rounding
-    steps; a state or tap across a boundary moves a token's output by tens of percent)."""
+def self_check(
+    module: torch.nn.Module, own: Callable, fn: OnePass, width: int, probe: list[list[int]]
+) -> bool:
+    """Does ``fn`` give the module's own forward (run per group of documents) on a random
+    packed probe (``probe``: its document ids) of ``width`` features? Every real token within
+    1e-5 of its output's norm, in the module's parameters' dtype and device with autocast off
+    (bf16 / fp16: 16 rounding steps; a state or tap across a boundary moves a token's output by
+    tens of percent)."""
     param = next(module.parameters(), None)
     if param is None:
         return False
     device, dtype = param.device, param.dtype
     try:
-        plan = DocumentPlan.from_doc_ids(torch.tensor(PROBE, device=device))
+        plan = DocumentPlan.from_doc_ids(torch.tensor(probe, device=device))
         g = torch.Generator().manual_seed(0)
         x = torch.randn(plan.B, plan.S, width, generator=g).to(device, dtype)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
@@ -66,23 +69,33 @@ def self_check(module: torch.nn.Module, own: Callable, fn: OnePass, width: int) 
         return False
 
 
-def hook(fn: OnePass, fits: Callable[[torch.nn.Module], bool]) -> Callable[..., Any]:
-    """A ``Room.one_pass`` hook: ``fn`` on the whole rows where the module ``fits`` (its
-    structure), the call changes nothing ``fn`` leaves out, and the module's class passed
-    :func:`self_check` (probed at its first call, outside compilation)."""
+def hook(
+    fn: OnePass,
+    fits: Callable[[torch.nn.Module, Tensor], bool],
+    *,
+    probe: Callable[[torch.nn.Module], list[list[int]]] = lambda _: PROBE,
+    changes: tuple[str, ...] = CHANGES_THE_PASS,
+) -> Callable[..., Any]:
+    """A ``Room.one_pass`` hook: ``fn`` on the whole (B, S, H) rows ``x`` where the module
+    ``fits`` them (its structure, their width and dtype), the call's keywords hold none of
+    ``changes``, and the module's class passed :func:`self_check` on ``probe(module)``'s ids
+    (once, at its first call outside compilation). ``hook(...).verified`` maps each probed
+    class to its verdict, ``hook(...).fn`` is ``fn``."""
     verified: dict[type, bool] = {}
 
     def one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
-        if x.dim() != 3 or not fits(module):
+        if x.dim() != 3 or not fits(module, x):
             return None
-        if any(kwargs.get(k) is not None for k in CHANGES_THE_PASS):
+        if any(kwargs.get(k) is not None for k in changes):
             return None
         ok = verified.get(type(module))
         if ok is None:
             if torch.compiler.is_compiling():
                 return None
-            ok = verified[type(module)] = self_check(module, own, fn, x.shape[-1])
-        return fn(module, x, plan) if ok else None
+            ok = self_check(module, own, one_pass.fn, x.shape[-1], probe(module))
+            verified[type(module)] = ok
+        return one_pass.fn(module, x, plan) if ok else None
 
     one_pass.verified = verified  # type: ignore[attr-defined]
+    one_pass.fn = fn  # type: ignore[attr-defined]  # what it runs (tests count its calls)
     return one_pass

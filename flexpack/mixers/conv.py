@@ -98,8 +98,9 @@ def short_conv_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) 
     return out * plan.real[..., None].to(out.dtype)
 
 
-def _fits(module: torch.nn.Module) -> bool:
-    return _depthwise(module) is not None
+def _fits(module: torch.nn.Module, x: Tensor) -> bool:
+    conv = _depthwise(module)
+    return conv is not None and x.shape[-1] == conv.in_channels
 
 
 SHORT_CONV = Room(

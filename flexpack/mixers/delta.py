@@ -112,12 +112,22 @@ def segment_chunk_gated_delta_rule(
     tail = seg == seg[..., -1:]
     key = key * ((cum[..., -1:] - cum).masked_fill(~tail, float("-inf")).exp())[..., None]
     chunk_decay = into[..., -1, None, None]  # (B, H, N, 1, 1)
+    # the scan over chunks carries only the state; the outputs come after it in batched
+    # matmuls (writing each chunk's slice of one output tensor would copy all of its gradient
+    # once per chunk in backward),
+    # (and the chunks are taken apart once: indexing chunk i in the loop would build a zero
+    # gradient of the whole tensor per chunk)
     state = query.new_zeros(B, Hv, Dk, Dv)
-    out = torch.empty_like(new_values)
-    for i in range(N):
-        v_new = new_values[:, :, i] - k_cumdecay[:, :, i] @ state
-        out[:, :, i] = query[:, :, i] @ state + intra[:, :, i] @ v_new
-        state = state * chunk_decay[:, :, i] + key[:, :, i].transpose(-1, -2) @ v_new
+    states, v_news = [], []
+    for values, k_decay, decay, k in zip(
+        new_values.unbind(2), k_cumdecay.unbind(2), chunk_decay.unbind(2),
+        key.transpose(-1, -2).unbind(2), strict=True,
+    ):  # fmt: skip
+        v_new = values - k_decay @ state
+        states.append(state)
+        v_news.append(v_new)
+        state = state * decay + k @ v_new
+    out = query @ torch.stack(states, dim=2) + intra @ torch.stack(v_news, dim=2)
     out = out.reshape(B, Hv, -1, Dv)[:, :, :S]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
@@ -125,10 +135,12 @@ def segment_chunk_gated_delta_rule(
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
 
 
-def _fits(module: torch.nn.Module) -> bool:
+def _fits(module: torch.nn.Module, x: Tensor) -> bool:
     """Qwen3.5's GatedDeltaNet structure: separate q/k/v, z, b, a projections, a causal
     depthwise conv1d, A_log and dt_bias, a gated norm and the output projection."""
     if not all(isinstance(getattr(module, n, None), torch.nn.Module) for n in _PARTS):
+        return False
+    if x.shape[-1] != getattr(module, "hidden_size", None):
         return False
     if not all(isinstance(getattr(module, n, None), Tensor) for n in ("A_log", "dt_bias")):
         return False

@@ -19,19 +19,17 @@ tokens (c of them per row, the row padded to a multiple of q).
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
 
 __all__ = ["mamba2_one_pass"]
 
-# module class -> whether mamba2_one_pass gave its own forward's outputs on the probe
-_verified: dict[type, bool] = {}
 # keywords of the module's forward that would change what the one pass computes: a cache (its
 # names across releases), a padding mask, a scan's initial or returned state, the kernels' own
 _CHANGES_THE_SCAN = ("cache", "cache_params", "past_key_values", "layer_past", "attention_mask",
@@ -218,69 +216,33 @@ def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> T
     return out * plan.real[..., None].to(out.dtype)
 
 
-def _per_group(own, x: Tensor, plan: DocumentPlan) -> Tensor:
-    return plan.merge([own(plan.split(x, g)) for g in range(len(plan.groups))])
-
-
-def _probe(chunk: int) -> list[list[int]]:
+def _probe(module: torch.nn.Module) -> list[list[int]]:
     """Document ids of the self-check's rows, S = 2 * chunk + 3: a 1-token document, documents
     across chunk boundaries and starting inside chunks, one over a chunk then padding, and a
     padding-only row."""
+    chunk = module.chunk_size
     lengths = [1, chunk + 1, 2, chunk - 1]
     row = [d for d, k in enumerate(lengths) for _ in range(k)]
     return [row, [0] * (chunk + 3) + [-1] * chunk, [-1] * len(row)]
 
 
-def _self_check(module: torch.nn.Module, own) -> bool:
-    """Does :func:`mamba2_one_pass` give the module's own forward (run per group of documents)
-    on a random packed probe? Every real token within 1e-5 of its output's norm, in the module's
-    weights' dtype and device with autocast off (a bf16 / fp16 module within 16 of its rounding
-    steps: a state or tap across a boundary moves a token's output by tens of percent)."""
-    weight = module.in_proj.weight
-    device, dtype = weight.device, weight.dtype
-    try:
-        plan = DocumentPlan.from_doc_ids(torch.tensor(_probe(module.chunk_size), device=device))
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(plan.B, plan.S, weight.shape[1], generator=g).to(device, dtype)
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            want = _per_group(own, x, plan)
-            got = mamba2_one_pass(module, x, plan)
-        if got.shape != want.shape or got.dtype != want.dtype:
-            return False
-        tol = 1e-5 if torch.finfo(dtype).bits >= 32 else 16 * torch.finfo(dtype).eps
-        error = (got.double() - want.double()).norm(dim=-1)  # (B, S)
-        return bool((error <= tol * want.double().norm(dim=-1)).all())
-    except Exception:  # anything unexpected: the per-group calls, which run the module itself
+def _fits(module: torch.nn.Module, x: Tensor) -> bool:
+    """A Mamba2 mixer (:func:`_mamba2_parts`) on rows of its width, at most float32 wide: the
+    module's own scan rounds float64 to float32, and only the per-group calls reproduce its
+    numbers to float64's precision."""
+    if not x.is_floating_point() or torch.finfo(x.dtype).bits > 32:
         return False
-
-
-def _one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
-    """MAMBA2's hook: the one pass where the module is the Mamba2 mixer it was verified to be
-    and the call changes nothing it leaves out (no cache, no padding mask, no initial state).
-
-    Rows wider than float32 keep the per-group calls: the module's own scan rounds them to
-    float32, and only the same calls reproduce its numbers to float64's precision."""
-    if x.dim() != 3 or not x.is_floating_point() or torch.finfo(x.dtype).bits > 32:
-        return None
-    if not _mamba2_parts(module) or x.shape[-1] != module.in_proj.weight.shape[1]:
-        return None
-    if any(kwargs.get(k) is not None for k in _CHANGES_THE_SCAN):
-        return None
-    ok = _verified.get(type(module))
-    if ok is None:
-        if torch.compiler.is_compiling():
-            return None
-        ok = _verified[type(module)] = _self_check(module, own)
-    return mamba2_one_pass(module, x, plan) if ok else None
+    return bool(_mamba2_parts(module)) and x.shape[-1] == module.in_proj.weight.shape[1]
 
 
 MAMBA2 = Room(
     "mamba2",
     functions=frozenset({"mamba2_chunk_scan", "mamba_chunk_scan_combined"}),
     varlen={"seq_idx": "seq_idx"},
-    how="scan and conv restart per document: documents run apart (torch); mamba_ssm's and "
+    how="scan and conv restart per document: one pass over the rows with cross-document "
+    "decays and taps masked (torch), else documents run apart; mamba_ssm's and "
     "causal-conv1d's seq_idx (kernels)",
-    one_pass=_one_pass,
+    one_pass=_one_pass.hook(mamba2_one_pass, _fits, probe=_probe, changes=_CHANGES_THE_SCAN),
 )
 
 MAMBA = Room(
