@@ -236,7 +236,7 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-ONE_PASS_FLOAT64 = {"gated_delta_rule"}
+ONE_PASS_FLOAT64 = {"gated_delta_rule", "kda"}
 
 
 @pytest.mark.parametrize("kind", sorted(FAMILIES))

@@ -7,12 +7,13 @@ path flexpack runs a Qwen3.5-style GatedDeltaNet once over the whole packed rows
 (:func:`gated_delta_one_pass`: the conv's taps masked at document boundaries, and
 :func:`segment_chunk_gated_delta_rule`, transformers' chunked algorithm with the decay between
 two tokens of different documents set to zero and the state carried across a chunk cut where a
-document starts), self-checked per class; other classes run once per group of right-padded
-documents (:mod:`flexpack.mixers._plan`), so each starts from a zero state. With fla and
-causal-conv1d installed (on CUDA), the rows are flattened to one and the boundaries go to the
-kernels' varlen arguments: GatedDeltaNet forwards ``cu_seq_lens_q`` to the rule's
-``cu_seqlens``, KDA forwards its keywords as they are (``cu_seqlens``), and both forward
-``seq_idx`` to ``causal_conv1d_fn``.
+document starts), and a Kimi Linear or Bailing hybrid KDA mixer likewise (:func:`kda_one_pass`,
+:func:`segment_chunk_kda`: the same, with a decay per key channel), each self-checked per class;
+other classes run once per group of right-padded documents (:mod:`flexpack.mixers._plan`), so
+each starts from a zero state. With fla and causal-conv1d installed (on CUDA), the rows are
+flattened to one and the boundaries go to the kernels' varlen arguments: GatedDeltaNet forwards
+``cu_seq_lens_q`` to the rule's ``cu_seqlens``, KDA forwards its keywords as they are
+(``cu_seqlens``), and both forward ``seq_idx`` to ``causal_conv1d_fn``.
 """
 
 from __future__ import annotations
@@ -206,15 +207,223 @@ GATED_DELTA_RULE = Room(
     one_pass=_one_pass.hook(gated_delta_one_pass, _fits),
 )
 
+KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention's default
+# document ids of KDA's self-check: its chunks are 64 tokens, so documents that cross a chunk
+# cut, one that starts mid-chunk, one of one token, padding and a padding-only row
+KDA_PROBE = [
+    [0] * 3 + [1] * 70 + [2] + [-1] * 6,
+    [0] * 64 + [1] * 10 + [-1] * 6,
+    [-1] * 80,
+]
+
+
+def _kda_l2norm(x: Tensor) -> Tensor:
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)  # as transformers' KDA
+
+
+def segment_chunk_kda(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor,
+    *,
+    chunk_size: int = KDA_CHUNK,
+    use_qk_l2norm: bool = True,
+) -> Tensor:
+    """Kimi delta attention over rows of several documents, each from a zero state.
+
+    transformers' ``chunk_kimi_delta_attention`` (the gated delta rule with a decay per key
+    channel: the chunked UT transform over (C, C, Dk) pairwise decays, in fp32, or float64 for
+    float64 inputs), with the documents kept apart as in :func:`segment_chunk_gated_delta_rule`:
+    inside a chunk the decay between two tokens of different segments is zero, the cumulative
+    decays are summed per segment, and the state carried into a chunk reaches only the segment
+    it continues; the state carried out of it only the segment that reaches its end.
+
+    Args:
+        query, key: (B, S, H, Dk).
+        value: (B, S, H, Dv).
+        g: (B, S, H, Dk) log decays per key channel (<= 0).
+        beta: (B, S, H).
+        segments: (B, S) integer segment of each token (a new value wherever a document, or a
+            run of padding, starts; equal values only within one run).
+        chunk_size: tokens per chunk.
+        use_qk_l2norm: normalise q and k as the kernel does.
+
+    Returns:
+        (B, S, H, Dv) in ``query``'s dtype.
+    """
+    # fp32 as transformers (float64 kept), autocast off: its matmuls would round the UT system
+    # to bf16, which the triangular solve does not take
+    with torch.autocast(query.device.type, enabled=False):
+        out = _chunk_kda(query, key, value, g, beta, segments, chunk_size, use_qk_l2norm)
+    return out.to(query.dtype)
+
+
+def _chunk_kda(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor,
+    chunk_size: int,
+    use_qk_l2norm: bool,
+) -> Tensor:
+    compute = torch.promote_types(query.dtype, torch.float32)
+    B, S, H, Dk = key.shape
+    Dv = value.shape[-1]
+    query, key, value, beta, g = (
+        t.transpose(1, 2).to(compute, memory_format=torch.contiguous_format)
+        for t in (query, key, value, beta, g)
+    )  # (B, H, S, ...)
+    if use_qk_l2norm:
+        query, key = _kda_l2norm(query), _kda_l2norm(key)
+    query = query * Dk**-0.5
+    C = chunk_size
+    pad = (C - S % C) % C
+    query, key, value, g = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value, g))
+    beta = F.pad(beta, (0, pad))
+    last = segments[:, -1:]
+    seg = torch.cat([segments, (last + 1).expand(B, pad)], dim=1) if pad else segments
+    N = (S + pad) // C
+    v_beta = value * beta[..., None]
+    k_beta = key * beta[..., None]
+    query, key, g, k_beta, v_beta = (
+        t.reshape(B, H, N, C, -1) for t in (query, key, g, k_beta, v_beta)
+    )  # (B, H, N, C, D)
+    seg = seg.reshape(B, 1, N, C)
+    lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
+    same = (seg[..., :, None] == seg[..., None, :]) & lower  # (B, 1, N, C, C): j <= i, one doc
+    # cumulative decay per channel from the chunk's start (or the segment's) to each token
+    cum = same.to(compute) @ g  # (B, H, N, C, Dk)
+    # decay from token j to token i per channel; zero across documents and above the diagonal
+    pairwise = (
+        (cum[..., :, None, :] - cum[..., None, :, :])
+        .masked_fill(~same[..., None], float("-inf"))
+        .exp()
+    )  # (B, H, N, C, C, Dk)
+    decayed_keys = (key[..., None, :, :] * pairwise).transpose(-1, -2)  # (B, H, N, C, Dk, C)
+    # both products with the decayed keys in one batched matmul per token: row i of the UT
+    # system (k_beta) and of the intra-chunk attention (query)
+    both = torch.stack([k_beta, query], dim=-2) @ decayed_keys  # (B, H, N, C, 2, C)
+    ut, intra = both.unbind(-2)  # (B, H, N, C, C)
+    # the segment that continues the previous chunk (none in the first chunk)
+    before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
+    carry = (seg == before)[..., None]  # (B, 1, N, C, 1)
+    into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
+    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * into, upper=False, unitriangular=True)
+    query = query * into
+    # what reaches the chunk's end: tokens of its last segment, decayed to the end per channel
+    tail = (seg == seg[..., -1:])[..., None]
+    key = key * (cum[..., -1:, :] - cum).masked_fill(~tail, float("-inf")).exp()
+    chunk_decay = into[..., -1, :, None]  # (B, H, N, Dk, 1)
+    # the state scan as in segment_chunk_gated_delta_rule: chunks taken apart once, the
+    # outputs in batched matmuls after it
+    state = query.new_zeros(B, H, Dk, Dv)
+    states, v_news = [], []
+    for values, k_decay, decay, k in zip(
+        new_values.unbind(2), k_cumdecay.unbind(2), chunk_decay.unbind(2),
+        key.transpose(-1, -2).unbind(2), strict=True,
+    ):  # fmt: skip
+        v_new = values - k_decay @ state
+        states.append(state)
+        v_news.append(v_new)
+        state = state * decay + k @ v_new
+    out = query @ torch.stack(states, dim=2) + intra @ torch.stack(v_news, dim=2)
+    out = out.reshape(B, H, -1, Dv)[:, :, :S]
+    return out.transpose(1, 2).contiguous()
+
+
+_KDA_PARTS = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "o_norm", "o_proj")
+
+
+def _kda_gate(module: torch.nn.Module, x: Tensor) -> Tensor:
+    """The output gate's projection: Kimi Linear's low-rank ``g_b_proj(g_a_proj(x))``, Bailing
+    hybrid's ``g_proj(x)``."""
+    if isinstance(getattr(module, "g_proj", None), torch.nn.Module):
+        return module.g_proj(x)
+    return module.g_b_proj(module.g_a_proj(x))
+
+
+def _kda_fits(module: torch.nn.Module, x: Tensor) -> bool:
+    """Kimi Linear's / Bailing hybrid's KDA structure: q, k, v projections, one causal
+    depthwise conv1d over the three, a forget gate module (per-channel log decays), a beta
+    projection, an output gate projection, a gated norm and the output projection."""
+    if not all(isinstance(getattr(module, n, None), torch.nn.Module) for n in _KDA_PARTS):
+        return False
+    if x.shape[-1] != getattr(module, "hidden_size", None):
+        return False
+    low_rank = all(isinstance(getattr(module, n, None), torch.nn.Module)
+                   for n in ("g_a_proj", "g_b_proj"))  # fmt: skip
+    if not (low_rank or isinstance(getattr(module, "g_proj", None), torch.nn.Module)):
+        return False
+    head_dim, qkv_dim = getattr(module, "head_dim", None), getattr(module, "qkv_dim", None)
+    if not (isinstance(head_dim, int) and isinstance(qkv_dim, int) and head_dim > 0):
+        return False
+    conv = module.conv1d
+    return (
+        isinstance(conv, torch.nn.Conv1d)
+        and conv.groups == conv.in_channels == conv.out_channels == 3 * qkv_dim
+        and conv.padding == (conv.kernel_size[0] - 1,)
+        and conv.padding_mode == "zeros"
+        and conv.stride == (1,)
+        and conv.dilation == (1,)
+        and getattr(conv, "_hf_hook", None) is None  # accelerate moves its weights
+        and qkv_dim % head_dim == 0
+        and isinstance(getattr(module, "activation", None), str)
+    )
+
+
+def kda_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
+    """A KDA mixer's forward over packed rows, documents kept apart, in one pass.
+
+    As Kimi Linear's ``KimiLinearDeltaAttention.forward`` and Bailing hybrid's
+    ``BailingHybridDeltaAttention.forward`` without a cache (transformers 5.25): q, k, v
+    projections, the causal conv with its taps masked at document boundaries, the forget gate
+    and beta, the rule by :func:`segment_chunk_kda`, the gated norm and the output
+    projection; padding tokens give zeros.
+
+    Args:
+        module: a KDA mixer whose structure :func:`_kda_fits` accepts.
+        x: (B, S, H) hidden states of packed rows.
+        plan: the rows' documents.
+
+    Returns:
+        (B, S, H), in the dtype ``module``'s own forward returns (autocast included).
+    """
+    from transformers.activations import ACT2FN
+
+    from flexpack.mixers.conv import _masked_conv
+
+    B, S, _ = x.shape
+    heads = (B, S, -1, module.head_dim)
+    conv = module.conv1d
+    mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
+    mixed = _masked_conv(conv, mixed.transpose(1, 2), plan.taps(conv.kernel_size[0]))
+    mixed = ACT2FN[module.activation](mixed).transpose(1, 2)  # (B, S, 3 * qkv_dim)
+    q, k, v = (t.reshape(heads) for t in torch.split(mixed, [module.qkv_dim] * 3, dim=-1))
+    g = module.forget_gate(x)  # (B, S, heads, head_dim) per-channel log decays
+    beta = module.b_proj(x).sigmoid()
+    core = segment_chunk_kda(q, k, v, g, beta, plan.seq_idx.view(B, S))
+    core = module.o_norm(core, _kda_gate(module, x).view(heads)).reshape(B, S, -1)
+    out = module.o_proj(core)
+    return out * plan.real[..., None].to(out.dtype)
+
+
 KDA = Room(
     "kda",
     functions=frozenset({"chunk_kimi_delta_attention", "chunk_kda"}),
     varlen={"cu_seqlens": "cu_seqlens", "seq_idx": "seq_idx"},
-    how="state and conv restart per document: documents run apart (torch); fla's cu_seqlens "
-    "and causal-conv1d's seq_idx (kernels)",
+    how="state and conv restart per document: one pass over the rows (torch, Kimi Linear's and "
+    "Bailing hybrid's structure), else documents run apart; fla's cu_seqlens and "
+    "causal-conv1d's seq_idx (kernels)",
     # the torch KDA's work grows with the padded tokens more than with its calls: 0.735 s vs
     # 0.982 s a step at 2.0 (bench/mixers.py's Kimi Linear, docs/benchmarks.md)
     pad_factor=1.25,
+    one_pass=_one_pass.hook(kda_one_pass, _kda_fits, probe=lambda _: KDA_PROBE),
 )
 
 ROOMS = (GATED_DELTA_RULE, KDA)

@@ -1,0 +1,160 @@
+"""Kimi delta attention in one pass over packed rows (flexpack.mixers.delta's KDA room).
+
+References: a float64 token-by-token KDA recurrence per document (1e-10, gradients included);
+transformers' own ``chunk_kimi_delta_attention`` for the chunked rule on one document per row;
+each document run alone through the plain module (fp32, 1e-5, gradients included); and the one
+pass must be what ran through an adapted Kimi Linear model (not the per-group calls).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flexpack.mixers as fm  # noqa: E402
+from flexpack.mixers import delta  # noqa: E402
+from flexpack.mixers._plan import DocumentPlan  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_mixers import _model  # noqa: E402
+from test_mixers_onepass_delta import _layout, _no_split, _spans  # noqa: E402
+
+# documents longer than a chunk (64), starting mid-chunk, of one token; a padding-only row
+LAYOUTS = {
+    "mixed": [[70, 1, 40, 17], [3, 100, 2], []],
+    "one per row": [[130], [64]],
+}
+
+
+def _recurrence(q, k, v, g, beta):
+    """KDA token by token (its definition, float64): one document of (T, H, D) inputs, the
+    state decayed per key channel by exp(g[t]) before each delta-rule update."""
+    q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6) * q.shape[-1] ** -0.5
+    k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    state = q.new_zeros(k.shape[-2], k.shape[-1], v.shape[-1])  # (H, Dk, Dv)
+    out = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[..., None]
+        delta_ = (v[t] - (state * k[t][..., None]).sum(-2)) * beta[t][:, None]
+        state = state + k[t][..., None] * delta_[:, None, :]
+        out.append((state * q[t][..., None]).sum(-2))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_the_rule_on_packed_rows_equals_the_recurrence_per_document(layout):
+    """float64, 1e-10: each document's outputs and gradients are its own recurrence's."""
+    doc_ids = _layout(LAYOUTS[layout], S=140)
+    plan = DocumentPlan.from_doc_ids(doc_ids)
+    g = torch.Generator().manual_seed(0)
+    B, S = doc_ids.shape
+    f64 = dict(generator=g, dtype=torch.float64)
+    q, k = (torch.randn(B, S, 2, 8, **f64).requires_grad_(True) for _ in range(2))
+    v = torch.randn(B, S, 2, 6, **f64).requires_grad_(True)
+    decay = (-torch.rand(B, S, 2, 8, **f64) * 2).requires_grad_(True)
+    beta = torch.rand(B, S, 2, **f64).requires_grad_(True)
+    inputs = [q, k, v, decay, beta]
+    probe = torch.randn(B, S, 2, 6, **f64)
+    out = delta.segment_chunk_kda(q, k, v, decay, beta, plan.seq_idx.view(B, S))
+    assert out.dtype == torch.float64
+    got = torch.autograd.grad((out * probe)[doc_ids >= 0].sum(), inputs)
+    want = [torch.zeros_like(t) for t in inputs]
+    for b, a, e in _spans(doc_ids):
+        pieces = [t.detach()[b, a:e].requires_grad_(True) for t in inputs]
+        alone = _recurrence(*pieces)
+        torch.testing.assert_close(out[b, a:e], alone, rtol=0, atol=1e-10)
+        grads = torch.autograd.grad((alone * probe[b, a:e]).sum(), pieces)
+        for w, gr in zip(want, grads, strict=True):
+            w[b, a:e] = gr
+    for name, a, b in zip("q k v g beta".split(), got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+
+
+def test_one_document_per_row_equals_transformers_chunked_rule():
+    """No boundary inside a row: the segment-aware rule is transformers' own (fp32)."""
+    from transformers.models.kimi_linear.modeling_kimi_linear import chunk_kimi_delta_attention
+
+    g = torch.Generator().manual_seed(1)
+    B, S, H, D = 2, 150, 2, 8
+    q, k, v = (torch.randn(B, S, H, D, generator=g) for _ in range(3))
+    decay = -torch.rand(B, S, H, D, generator=g) * 3
+    beta = torch.rand(B, S, H, generator=g)
+    segments = torch.arange(B)[:, None].expand(B, S)
+    ours = delta.segment_chunk_kda(q, k, v, decay, beta, segments)
+    theirs, _ = chunk_kimi_delta_attention(q, k, v, g=decay, beta=beta,
+                                           use_qk_l2norm_in_kernel=True)  # fmt: skip
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_mixer_in_one_pass_equals_each_document_alone_with_gradients():
+    """The whole KDA mixer (fp32): outputs, input and parameter gradients equal each document
+    run alone through the module's own forward (1e-5); padding gives zeros."""
+    mixer = _model("kda").model.layers[0].self_attn
+    assert delta._kda_fits(mixer, torch.zeros(1, 1, mixer.hidden_size))
+    doc_ids = _layout(LAYOUTS["mixed"], S=140)
+    plan = DocumentPlan.from_doc_ids(doc_ids)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(*doc_ids.shape, mixer.hidden_size, generator=g).requires_grad_(True)
+    probe = torch.randn(*doc_ids.shape, mixer.hidden_size, generator=g)
+    out = delta.kda_one_pass(mixer, x, plan)
+    assert not out[doc_ids < 0].any()
+    params = list(mixer.parameters())
+    got = torch.autograd.grad((out * probe).sum(), [x, *params])
+    want_x, want_p = torch.zeros_like(x), [torch.zeros_like(p) for p in params]
+    for b, a, e in _spans(doc_ids):
+        piece = x.detach()[b : b + 1, a:e].requires_grad_(True)
+        alone = mixer(piece)
+        torch.testing.assert_close(out[b, a:e], alone[0], rtol=0, atol=1e-5)
+        grads = torch.autograd.grad((alone * probe[b : b + 1, a:e]).sum(), [piece, *params])
+        want_x[b, a:e] = grads[0][0]
+        want_p = [w + gp for w, gp in zip(want_p, grads[1:], strict=True)]
+    torch.testing.assert_close(got[0], want_x, rtol=0, atol=1e-5)
+    names = [n for n, _ in mixer.named_parameters()]
+    for name, a, b in zip(names, got[1:], want_p, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_float32_model_takes_the_one_pass_and_equals_documents_alone(monkeypatch):
+    """Through the adapted Kimi Linear model (flexpack attention, doc_ids): the class passes
+    the self-check, the per-group split never runs, and logits equal each document alone."""
+    from flexpack.integrations.transformers import register
+
+    model = fm.adapt(_model("kda", register()))
+    reference = _model("kda")
+    doc_ids = _layout([[70, 1, 40, 17], [3, 100, 2]], S=140)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 64, doc_ids.shape, generator=g)
+    with torch.no_grad():
+        model(input_ids=ids[:, :20], doc_ids=doc_ids[:, :20], use_cache=False)  # self-check
+        mixer = model.model.layers[0].self_attn
+        assert delta.KDA.one_pass.verified[type(mixer)] is True
+        monkeypatch.setattr(DocumentPlan, "split", _no_split)
+        out = model(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
+        for b, a, e in _spans(doc_ids):
+            want = reference(input_ids=ids[b : b + 1, a:e], use_cache=False).logits[0]
+            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-5)
+
+
+def test_bailing_hybrid_takes_the_one_pass_too(monkeypatch):
+    """Bailing hybrid's KDA (one ``g_proj`` output gate, a safe-gated forget gate): the class
+    passes the self-check and the packed logits equal each document alone, without splits."""
+    import _zoo
+
+    import flexpack
+
+    model, reference = _zoo.build("bailing_hybrid")
+    batch = flexpack.pack_sequences(_zoo.samples(model.config.vocab_size), _zoo.MAX_LEN)
+    with torch.no_grad():
+        model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=False)  # self-check
+        mixer = model.model.layers[0].self_attn
+        assert delta.KDA.one_pass.verified[type(mixer)] is True
+        monkeypatch.setattr(DocumentPlan, "split", _no_split)
+        out = model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=False).logits
+    spans = _zoo._spans(batch.doc_ids[0])
+    for (a, b), want in zip(spans, _zoo._alone(reference, batch, spans), strict=True):
+        torch.testing.assert_close(out[0, a:b], want, rtol=0, atol=1e-4)
