@@ -3,21 +3,26 @@ Jamba, Zamba, Falcon-Mamba, Mamba): per-document state and causal conv.
 
 Without mamba_ssm, transformers' torch scans (``mamba2_chunk_scan``'s segment sums,
 ``mamba_selective_scan``) and ``causal_conv1d_fn`` run over the whole row. On that path flexpack
-runs a Mamba2 mixer once over the whole packed rows, from the module's own submodules, with the
-conv window and the SSM state restarting at every document start (:func:`mamba2_one_pass`: the
-chunked SSD scan with its decays masked to same-document pairs); a class whose structure or
-behaviour differs, and Mamba (1) scans, run once per group of right-padded documents instead, so
-each starts from a zero state. With mamba_ssm and causal-conv1d (on CUDA), Mamba2 mixers forward
-``seq_idx`` to ``mamba_split_conv1d_scan_combined`` / ``mamba_chunk_scan_combined`` and
-``causal_conv1d_fn``: the rows are flattened and handed the segment index. Mamba (1) scans have
-no varlen argument in mamba_ssm: their documents always run apart.
+runs a mixer once over the whole packed rows, from the module's own submodules, with the conv
+window and the SSM state restarting at every document start: a Mamba2 mixer through
+:func:`mamba2_one_pass` (the chunked SSD scan with its decays masked to same-document pairs), a
+Mamba (1) mixer through :func:`mamba_one_pass` (the selective scan with its decay zeroed at
+document starts, chunked so that its Python loops run about 2 sqrt(S) steps, not S); a class
+whose structure or behaviour differs (Zamba's multi-head mixer) runs once per group of
+right-padded documents instead, so each starts from a zero state. With mamba_ssm and
+causal-conv1d (on CUDA), Mamba2 mixers forward ``seq_idx`` to
+``mamba_split_conv1d_scan_combined`` / ``mamba_chunk_scan_combined`` and ``causal_conv1d_fn``:
+the rows are flattened and handed the segment index. Mamba (1) scans have no varlen argument in
+mamba_ssm: on the kernel path their documents run apart.
 
 Shapes: B rows of S tokens, h heads of p channels, g groups of an n-wide state, chunks of q
-tokens (c of them per row, the row padded to a multiple of q).
+tokens (c of them per row, the row padded to a multiple of q); a Mamba (1) mixer's I inner
+channels, each with its own n-wide state, and its dt rank r.
 """
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import torch
@@ -26,9 +31,9 @@ from torch import Tensor
 
 from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
-from flexpack.mixers._room import Room
+from flexpack.mixers._room import Room, _closure, hub_functions
 
-__all__ = ["mamba2_one_pass"]
+__all__ = ["mamba2_one_pass", "mamba_one_pass"]
 
 # keywords of the module's forward that would change what the one pass computes: a cache (its
 # names across releases), a padding mask, a scan's initial or returned state, the kernels' own
@@ -245,11 +250,199 @@ MAMBA2 = Room(
     one_pass=_one_pass.hook(mamba2_one_pass, _fits, probe=_probe, changes=_CHANGES_THE_SCAN),
 )
 
+# what mamba_one_pass reads of a Mamba (1) mixer besides its submodules and parameters
+# (transformers 5.25's MambaMixer, JambaMambaMixer, FalconMambaMixer); Jamba and Falcon-Mamba
+# normalise dt, B and C (Jamba with weights, Falcon-Mamba without) before dt_proj
+_MAMBA_SIZES = ("intermediate_size", "ssm_state_size", "time_step_rank")
+_MAMBA_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def _mamba_parts(module: torch.nn.Module) -> bool:
+    """Is ``module`` built as transformers' Mamba (1) mixers are: ``in_proj`` -> (x, gate), a
+    causal depthwise ``conv1d`` over x, ``x_proj`` -> dt, B, C (optionally normalised by
+    ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``), ``dt_proj``, the selective scan from
+    ``A_log`` (I, n) and ``D`` (I,), ``out_proj``? Zamba's mixer (per-head ``x_proj_weight``
+    parameters) and a quantised config (its ``dt_proj`` detour) are not."""
+    from flexpack.mixers.conv import _depthwise  # conv.py imports this module
+
+    sizes = [getattr(module, name, None) for name in _MAMBA_SIZES]
+    if not all(isinstance(v, int) and v > 0 for v in sizes):
+        return False
+    inner, state, rank = sizes
+    in_proj, x_proj, dt_proj = (getattr(module, n, None) for n in ("in_proj", "x_proj", "dt_proj"))
+    # conv.py's check of a causal depthwise conv between two projections, on conv1d
+    conv = _depthwise(SimpleNamespace(conv=getattr(module, "conv1d", None), in_proj=in_proj,
+                                      out_proj=getattr(module, "out_proj", None)))  # fmt: skip
+    weights = [getattr(m, "weight", None) for m in (in_proj, x_proj, dt_proj)]
+    norms = [getattr(module, name, None) for name in _MAMBA_NORMS]
+    A_log, D = getattr(module, "A_log", None), getattr(module, "D", None)
+    return (
+        conv is not None
+        and conv.in_channels == inner
+        and all(isinstance(w, Tensor) and w.dim() == 2 for w in weights)
+        and isinstance(x_proj, torch.nn.Module)
+        and weights[0].shape[0] == 2 * inner
+        and weights[1].shape == (rank + 2 * state, inner)
+        and weights[2].shape == (inner, rank)
+        and isinstance(A_log, Tensor)
+        and A_log.shape == (inner, state)
+        and isinstance(D, Tensor)
+        and D.shape == (inner,)
+        and callable(getattr(module, "act", None))
+        and (all(m is None for m in norms) or all(isinstance(m, torch.nn.Module) for m in norms))
+        and not hasattr(getattr(module, "config", None), "_is_quantized")
+    )
+
+
+def _selective_chunk(S: int) -> int:
+    """Tokens per chunk of :func:`_selective_scan` for rows of S tokens: ceil(sqrt(S)), which
+    makes its two Python loops (q steps inside the chunks, c across them) about as short as
+    they get together."""
+    return max(1, math.isqrt(max(S - 1, 0)) + 1)
+
+
+def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, start: Tensor,
+                    chunk: int) -> Tensor:  # fmt: skip
+    """``mamba_selective_scan``'s recurrence (without D and the gate), the state restarting
+    wherever ``start``: h_t = exp(A dt_t) h_{t-1} + dt_t B_t u_t, with exp(A dt_t) = 0 at a
+    document's first token (what a fresh document computes), y_t = C_t . h_t.
+
+    Chunked, and exact, rather than token by token: every chunk is scanned from a zero state at
+    once (q steps over (B, c, I, n) slices), the state entering each chunk is carried across
+    the chunks (c steps over (B, I, n)) and added to each token's state through the running
+    product of the chunk's decays (a zeroed decay stops it at a document start).
+
+    Args:
+        u, dt: (B, S, I) inputs and time steps (after softplus), in the working dtype.
+        A: (I, n) negative. B, C: (B, S, n) in the working dtype.
+        start: (B, S) bool, True where a document (or a padding run) starts.
+        chunk: tokens per chunk, q.
+
+    Returns:
+        (B, S, I) in the working dtype.
+    """
+    batch, S, inner = u.shape
+    n = A.shape[-1]
+    decay = torch.exp(A * dt[..., None]).masked_fill(start[..., None, None], 0)  # (B, S, I, n)
+    inputs = (dt * u)[..., None] * B[:, :, None]  # (B, S, I, n)
+    pad = (-S) % chunk
+    if pad:  # tokens past the row's end: no decay, no input, no output
+        decay, inputs = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (decay, inputs))
+        C = F.pad(C, (0, 0, 0, pad))
+    c, q = (S + pad) // chunk, chunk
+    decay, inputs = (t.view(batch, c, q, inner, n) for t in (decay, inputs))
+
+    # 1. each chunk from a zero state, all chunks at once, and the running product of its
+    # decays (unbound, not indexed: a slice's backward would zero a whole (B, c, q, I, n) per step)
+    decays, inputs = decay.unbind(2), inputs.unbind(2)  # q of (B, c, I, n)
+    local, through = [inputs[0]], [decays[0]]
+    for j in range(1, q):
+        local.append(decays[j] * local[-1] + inputs[j])
+        through.append(decays[j] * through[-1])
+
+    # 2. the state entering each chunk, carried chunk to chunk through each chunk's decays
+    ends, products = local[-1].unbind(1), through[-1].unbind(1)  # c of (B, I, n)
+    entering = [torch.zeros_like(ends[0])]
+    for k in range(1, c):
+        entering.append(products[k - 1] * entering[-1] + ends[k - 1])
+
+    # 3. each token's state: its chunk's own part plus what entered the chunk, decayed to it
+    states = torch.stack(local, 2) + torch.stack(through, 2) * torch.stack(entering, 1)[:, :, None]
+    y = states @ C.view(batch, c, q, n, 1)  # (B, c, q, I, 1)
+    return y.view(batch, c * q, inner)[:, :S]
+
+
+def mamba_one_pass(
+    module: torch.nn.Module, x: Tensor, plan: DocumentPlan, *, chunk: int | None = None
+) -> Tensor:
+    """A Mamba (1) mixer's forward over packed rows, documents kept apart, in one pass.
+
+    ``in_proj`` -> x, gate -> causal depthwise ``conv1d`` + activation of x -> ``x_proj`` ->
+    dt, B, C (normalised where the module has ``dt_layernorm``, ``b_layernorm`` and
+    ``c_layernorm``: Jamba, Falcon-Mamba) -> softplus(``dt_proj``(dt)) -> the selective scan
+    (A = -exp(``A_log``), ``D`` skip) gated by silu(gate) -> ``out_proj``, as transformers
+    5.25's Mamba, Jamba and Falcon-Mamba mixers on the torch path without a cache, where a conv
+    tap reaches token t - j only inside t's document and the scan's decay is zero at every
+    document start (its state restarts from zero there); padding tokens give zeros.
+
+    The scan runs in float32 for float32 and narrower rows (as the module's own does) and in
+    float64 for float64 rows (the module's own rounds A, B and x to float32; Jamba's and
+    Falcon-Mamba's norms still compute in float32, as theirs do).
+
+    Args:
+        module: a Mamba (1) mixer (:func:`_mamba_parts` accepts its structure).
+        x: (B, S, H) hidden states of packed rows.
+        plan: the rows' documents.
+        chunk: tokens per chunk of the scan (default: ceil(sqrt(S))); any gives the same
+            numbers up to rounding.
+
+    Returns:
+        (B, S, H) in the dtype ``module``'s own forward returns.
+
+    Example:
+        >>> import torch, transformers
+        >>> _ = torch.manual_seed(0)
+        >>> from flexpack.mixers._plan import DocumentPlan
+        >>> from flexpack.mixers.ssm import mamba_one_pass
+        >>> config = transformers.MambaConfig(hidden_size=16, state_size=4, intermediate_size=32,
+        ...     time_step_rank=4, num_hidden_layers=1)
+        >>> mixer = transformers.models.mamba.modeling_mamba.MambaMixer(config, 0)
+        >>> plan = DocumentPlan.from_doc_ids(torch.tensor([[0, 0, 0, 1, 1, -1]]))
+        >>> x = torch.randn(1, 6, 16)
+        >>> out = mamba_one_pass(mixer, x, plan)
+        >>> torch.allclose(out[:, 3:5], mixer(x[:, 3:5]), atol=1e-5), out[0, 5].abs().max().item()
+        (True, 0.0)
+    """
+    from flexpack.mixers.conv import _masked_conv  # conv.py imports this module
+
+    dtype, (batch, S, _) = x.dtype, x.shape
+    n, rank = module.ssm_state_size, module.time_step_rank
+    h, gate = module.in_proj(x).chunk(2, dim=-1)  # (B, S, I) each
+    conv = module.conv1d
+    h = _masked_conv(conv, h.transpose(1, 2), plan.taps(conv.kernel_size[0]))  # (B, I, S)
+    h = module.act(h).transpose(1, 2)  # (B, S, I)
+    dt, B, C = module.x_proj(h).split([rank, n, n], dim=-1)  # (B, S, r), (B, S, n) twice
+    if getattr(module, "dt_layernorm", None) is not None:  # Jamba, Falcon-Mamba
+        dt, B, C = module.dt_layernorm(dt), module.b_layernorm(B), module.c_layernorm(C)
+    dt = F.linear(dt, module.dt_proj.weight)  # (B, S, I); the bias joins as the scan's
+    if module.dt_proj.bias is not None:
+        dt = dt + module.dt_proj.bias.to(dt.dtype)
+
+    work = torch.promote_types(dtype, torch.float32)
+    dt = F.softplus(dt).to(work)
+    A = -torch.exp(module.A_log.to(work))  # (I, n)
+    segment = plan.seq_idx.view(batch, S)
+    start = torch.ones_like(segment, dtype=torch.bool)
+    start[:, 1:] = segment[:, 1:] != segment[:, :-1]
+    y = _selective_scan(h.to(work), dt, A, B.to(work), C.to(work), start,
+                        chunk or _selective_chunk(S))  # fmt: skip
+    # the module's scan output is in the rows' dtype (bf16 rows: rounded), its D skip and gate
+    # promote it back to float32
+    y = (y.to(dtype) + h * module.D.to(work)) * F.silu(gate)
+    out = module.out_proj(y.to(dtype))  # (B, S, H)
+    return out * plan.real[..., None].to(out.dtype)
+
+
+def _mamba_fits(module: torch.nn.Module, x: Tensor) -> bool:
+    """A Mamba (1) mixer (:func:`_mamba_parts`) on the torch path (no function of its class
+    runs mamba_ssm's or causal-conv1d's kernel: those keep the per-group calls) on rows of its
+    width, at most float32 wide: the module's own scan rounds float64 to float32, and only the
+    per-group calls reproduce its numbers to float64's precision."""
+    if not x.is_floating_point() or torch.finfo(x.dtype).bits > 32:
+        return False
+    if not _mamba_parts(module) or x.shape[-1] != module.in_proj.weight.shape[1]:
+        return False
+    return not any(_closure(f)["is_new_implementation"] for f in hub_functions(module).values())
+
+
 MAMBA = Room(
     "mamba",
     functions=frozenset({"mamba_selective_scan", "selective_scan_fn", "mamba_inner_fn"}),
     excludes=frozenset(MAMBA2.functions),
-    how="scan and conv restart per document: documents run apart (torch and kernels)",
+    how="scan and conv restart per document: one pass over the rows with the decays at "
+    "document starts zeroed and taps across them masked (torch), else documents run apart; "
+    "documents run apart (kernels: mamba_ssm has no varlen argument)",
+    one_pass=_one_pass.hook(mamba_one_pass, _mamba_fits, changes=_CHANGES_THE_SCAN),
 )
 
 ROOMS = (MAMBA2, MAMBA)
