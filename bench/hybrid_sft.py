@@ -18,6 +18,9 @@ fp32, torch's default threads. The ratio is real tokens per second over the padd
 Peak is the peak of live tensor bytes during one step (torch's profiler).
 
 Run: ``PYTHONPATH=$PWD python bench/hybrid_sft.py`` (about 3 minutes on a quiet 2-core CPU).
+``--device cuda`` runs the same on a GPU (no fla / causal-conv1d / mamba_ssm needed: the
+torch paths are what is timed; peak is ``torch.cuda.max_memory_allocated`` there), and a word
+keeps only the models whose name has it (``--only Qwen``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ FAMILIES = {  # name: (config class, kwargs)
 ROW, ROWS, REPEATS = 2048, 2, 3
 
 
+DEVICE = torch.device("cpu")
+
+
 def _model(name: str, attn: str):
     import transformers
 
@@ -64,7 +70,7 @@ def _model(name: str, attn: str):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return transformers.AutoModelForCausalLM.from_config(config).train()
+        return transformers.AutoModelForCausalLM.from_config(config).to(DEVICE).train()
 
 
 def _samples() -> list[torch.Tensor]:
@@ -85,17 +91,32 @@ def _padded(docs):
     mask = torch.zeros(len(docs), longest, dtype=torch.long)
     for i, d in enumerate(docs):
         ids[i, : len(d)], mask[i, : len(d)] = d, 1
-    return {"input_ids": ids, "attention_mask": mask, "use_cache": False}
+    return {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE), "use_cache": False}
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _timed(step) -> float:
     times = []
     for i in range(REPEATS + 1):
+        _sync()
         t0 = time.perf_counter()
         step()
+        _sync()
         if i:  # the first call warms up (and runs the one-pass self-checks)
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def _peak(step) -> int:
+    if DEVICE.type != "cuda":
+        return tensor_peak(step)
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    return torch.cuda.max_memory_allocated()
 
 
 def _measure(model, kwargs) -> tuple[float, int]:
@@ -104,7 +125,7 @@ def _measure(model, kwargs) -> tuple[float, int]:
         model(**kwargs).logits.float().sum().backward()
 
     seconds = _timed(step)
-    return seconds, tensor_peak(step)
+    return seconds, _peak(step)
 
 
 def _one_pass_hooks():
@@ -114,14 +135,23 @@ def _one_pass_hooks():
 
 
 def main() -> None:
+    import argparse
+
     from flexpack.integrations.transformers import packed_forward_kwargs, register
 
+    global DEVICE
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--only", default="", help="keep the models whose name has this")
+    args = parser.parse_args()
+    DEVICE = torch.device(args.device)
     docs = _samples()
     real = sum(len(d) for d in docs)
-    batch = flexpack.pack_sequences(docs, max_len=ROW)
+    batch = flexpack.pack_sequences(docs, max_len=ROW).to(DEVICE)
     padded = _padded(docs)
     slots = padded["input_ids"].numel()
-    print(f"{describe()}; torch {torch.__version__}; {len(docs)} samples, {real} tokens: "
+    where = torch.cuda.get_device_name() if DEVICE.type == "cuda" else describe()
+    print(f"{where}; torch {torch.__version__}; {len(docs)} samples, {real} tokens: "
           f"packed {tuple(batch.input_ids.shape)} ({real / batch.input_ids.numel():.0%} fill), "
           f"padded {tuple(padded['input_ids'].shape)} ({real / slots:.0%} real); forward + "
           f"backward, fp32, median of {REPEATS}")  # fmt: skip
@@ -130,8 +160,7 @@ def main() -> None:
           "| one pass / padded, tokens/s | one pass / per group | peak MiB: padded, "
           "per group, one pass |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
-    only = sys.argv[1] if len(sys.argv) > 1 else ""
-    for name in [n for n in FAMILIES if only in n]:
+    for name in [n for n in FAMILIES if args.only in n]:
         pad_s, pad_peak = _measure(_model(name, "sdpa"), padded)
         model = _model(name, register())
         kwargs = packed_forward_kwargs(batch, model=model)

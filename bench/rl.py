@@ -26,7 +26,12 @@ them (TRL's seams called with the DDP model, flexpack's through DDP's forward); 
 slowest rank's, peaks the largest rank's, tokens rank 0's. On 2 cores, world 2 runs 1 thread per
 rank against world 1's 2 threads.
 
+``--model gpt_oss`` runs a tiny gpt-oss instead (4 experts, top 2, attention sinks, a sliding
+layer; ``eager`` attention, its own default), with TRL's router load-balancing loss on: both
+sides compute it (flexpack over the trees, each token weighed by the rows sharing it).
+
     python bench/rl.py [--prompts 2] [--pairs 4] [--repeats 3] [--threads 2] [--world 1]
+                       [--model llama]
 """
 
 from __future__ import annotations
@@ -58,16 +63,23 @@ def tokenizer():
     )
 
 
-def save_model(path: Path) -> None:
+def save_model(path: Path, model: str = "llama") -> None:
     import transformers
 
-    config = transformers.LlamaConfig(
+    common = dict(
         vocab_size=V, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
         pad_token_id=V - 3, eos_token_id=V - 2,
     )  # fmt: skip
     torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    if model == "gpt_oss":  # experts (TRL turns the router's loss on), sinks, a sliding layer
+        config = transformers.GptOssConfig(
+            **common, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=128, layer_types=["sliding_attention", "full_attention"],
+        )  # fmt: skip
+        transformers.GptOssForCausalLM(config).save_pretrained(path)
+        return
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**common)).save_pretrained(path)
 
 
 def grpo_batch(prompts: int, seed: int = 0):
@@ -148,10 +160,11 @@ def trainers(kind: str, side: str, workdir: Path):
 def logp_fwd_bwd(trainer, kind, batch, model) -> None:
     if kind == "grpo":
         ids, mask, C = batch
-        lp, ent, _ = trainer._get_per_token_logps_and_entropies(
-            model, ids, mask, C, compute_entropy=True
+        aux_on = trainer.aux_loss_enabled  # an MoE model: the router's loss joins the policy's
+        lp, ent, aux = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, C, compute_entropy=True, compute_aux_loss=aux_on
         )
-        (lp.sum() + 0.0 * ent.sum()).backward()
+        (lp.sum() + 0.0 * ent.sum() + (aux if aux_on else 0.0)).backward()
         return
     labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
     kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
@@ -291,6 +304,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument("--world", type=int, default=1, help="processes (gloo, DDP)")
+    parser.add_argument("--model", choices=("llama", "gpt_oss"), default="llama",
+                        help="gpt_oss: experts with TRL's router loss on, sinks")  # fmt: skip
     parser.add_argument("--workdir", help=argparse.SUPPRESS)  # set for the ranks it launches
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -300,7 +315,7 @@ def main() -> None:
     machine = describe()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        save_model(workdir / "model")
+        save_model(workdir / "model", args.model)
         if args.world == 1:
             rows = measure(args, workdir)
         else:
@@ -308,8 +323,8 @@ def main() -> None:
     end = os.getloadavg()[0]
     print(f"machine: {machine}, load average {end:.1f} at end; torch {torch.__version__}, "
           f"{args.threads} threads per process, world {args.world}")  # fmt: skip
-    print(f"GRPO: {args.prompts} prompts x G=8; DPO: {args.pairs} pairs (per rank); "
-          f"median of {args.repeats}")  # fmt: skip
+    print(f"model: tiny {args.model}; GRPO: {args.prompts} prompts x G=8; DPO: {args.pairs} "
+          f"pairs (per rank); median of {args.repeats}")  # fmt: skip
     print("| setting | world | path | tokens forwarded (per rank) | logp fwd+bwd (s) | step (s) "
           "| step peak (MiB) |")  # fmt: skip
     print("|---|---:|---|---:|---:|---:|---:|")

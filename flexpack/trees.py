@@ -203,6 +203,41 @@ class TreeBatch:
         logps = torch.nn.functional.pad(lp, (0, 1))[self._rollout_targets]  # (N, L)
         return logps, self._rollout_valid
 
+    def token_counts(self) -> Tensor:
+        """(R, S) int64: how many rollouts' root-to-leaf paths hold each token, 0 on padding.
+
+        A prompt shared by G rollouts counts G, each completion token 1: the times the token
+        appears in the padded rows the trees replace (a statistic over those rows, such as an
+        MoE router's load-balancing loss, weighs tree tokens by it). No host sync on the
+        batch's device.
+
+        Example:
+            >>> pack_trees([([5, 6], [[8, 9], [4]])], max_len=6).token_counts()
+            tensor([[2, 2, 1, 1, 1, 0]])
+        """
+        R, S = self.shape
+        seg = self.segment_ids.long()
+        device = seg.device
+        N = self.num_rollouts
+        # each rollout's last target: the leaf segment its path ends in
+        last = (self.rollout_lengths.to(device) - 1).clamp(min=0)[:, None]
+        flat = self._targets.to(device)[self._rollout_targets.to(device).gather(1, last)[:, 0]]
+        leaves = torch.zeros(R, S + 1, dtype=torch.int64, device=device)
+        leaves.index_put_(
+            (flat // S, seg.reshape(-1)[flat]), torch.ones(N, dtype=torch.int64, device=device),
+            accumulate=True,
+        )  # fmt: skip
+        # segment k's subtree is segments k .. ends[k] - 1 (depth-first numbering)
+        ends = self._tree_ends if self._tree_ends is not None else _masks._tree_ends(
+            self.segment_ids, self.parents
+        )  # fmt: skip
+        ends = ends.to(device)
+        before = torch.nn.functional.pad(leaves.cumsum(1), (1, 0))  # (R, S + 2)
+        k = torch.arange(S + 1, device=device).expand(R, S + 1)
+        below = before.gather(1, ends.clamp(min=0)) - before.gather(1, k)  # (R, S + 1)
+        below = torch.where(ends >= 0, below, 0)
+        return torch.where(seg >= 0, below.gather(1, seg.clamp(min=0)), 0)
+
 
 # ----------------------------------------------------------------------------- parsing
 
@@ -731,6 +766,9 @@ class RolloutLogps:
         entropies: entropy of the predicting distribution, or None when not asked.
         mean_logits: mean (transformed) logit over the vocabulary, or None when not asked.
         is_top1: (N, L) bool, the target is the argmax (the first maximum), or None.
+        aux_loss: () the MoE router's load-balancing loss over the trees' tokens, each weighed
+            by the rollouts that hold it (``TreeBatch.token_counts``), as over the padded rows;
+            None when not asked (``flexpack.integrations.trl.tree_logps(router_aux_loss=True)``).
     """
 
     logps: Tensor
@@ -738,6 +776,7 @@ class RolloutLogps:
     entropies: Tensor | None = None
     mean_logits: Tensor | None = None
     is_top1: Tensor | None = None
+    aux_loss: Tensor | None = None
 
 
 def _logits(h: Tensor, weight: Tensor, bias: Tensor | None, tf: tuple) -> tuple[Tensor, Tensor]:

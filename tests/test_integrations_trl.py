@@ -152,6 +152,60 @@ def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp
     assert trainer.model.config._attn_implementation == own  # left as it was
 
 
+def test_grpo_router_aux_loss_on_trees_equals_trls(model_dir, tokenizer, tmp_path):
+    """gpt-oss with its router's load-balancing loss (TRL turns it on): every log-prob call fell
+    back to TRL's padded path. The trees weigh each token by the rows that share it: the aux
+    loss, its gradients and the log-probs equal TRL's padded forward; a row without completion
+    tokens (its prompt is in no tree) falls back."""
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind="gpt_oss")
+    assert trainer.aux_loss_enabled
+    ids, mask, C = rl_batch()
+    mask[6, -C : -C + 2] = 1  # the empty completion gets two tokens: every row is a rollout
+    model = trainer.model
+    model.gradient_checkpointing_disable()
+    theirs = trl.GRPOTrainer._get_per_token_logps_and_entropies.__get__(trainer)
+    w = torch.randn(7, C, generator=torch.Generator().manual_seed(1))
+    results = []
+    for fn in (trainer._get_per_token_logps_and_entropies, theirs):
+        model.zero_grad()
+        lp, _, aux = fn(model, ids, mask, C, batch_size=4, compute_aux_loss=True)
+        ((lp * w).sum() + aux).backward()
+        results.append((lp.detach(), aux.detach(), [p.grad.clone() for p in model.parameters()]))
+    (lp, aux, grads), (want_lp, want_aux, want_grads) = results
+    assert trainer.flexpack_stats.fallbacks == 0 and trainer.flexpack_stats.calls == 2
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(aux, want_aux, atol=1e-6, rtol=1e-6)
+    for a, b in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    ids, mask, C = rl_batch()  # row 6 has no completion token
+    with pytest.warns(UserWarning, match="no tree holds"):
+        trainer._get_per_token_logps_and_entropies(model, ids, mask, C, compute_aux_loss=True)
+    assert trainer.flexpack_stats.fallbacks == 1
+
+
+def test_tree_token_counts_are_the_rows_holding_each_token():
+    """TreeBatch.token_counts against the tree mask itself: a token's count is the number of
+    rollouts whose last token attends to it; summed, the padded rows' real tokens."""
+    for seed in range(4):
+        ids, mask, C = rl_batch(seed)
+        mask[6, -C : -C + 2] = 1
+        ids[mask == 0] = PAD
+        trees = pack_padded(ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:])
+        batch = trees.batch
+        counts = batch.token_counts()
+        R, S = batch.shape
+        mod = batch.mask().mask_mod
+        keys = torch.arange(S)
+        last = (batch.rollout_lengths - 1)[:, None]
+        leaves = batch._targets[batch._rollout_targets.gather(1, last)[:, 0]]
+        want = torch.zeros(R, S, dtype=torch.int64)
+        for leaf in leaves.tolist():
+            r, t = divmod(leaf, S)
+            want[r] += mod(torch.tensor(r), torch.tensor(0), torch.tensor(t), keys).long()
+        torch.testing.assert_close(counts, want)
+        assert int(counts.sum()) == int(mask.sum())  # every real token of the rows, once each
+
+
 def test_grpo_batch_size_chunks_as_trls(model_dir, tokenizer, tmp_path):
     """TRL's batch_size (its chunking of the no-grad passes, to bound their peak): the rows are
     packed and forwarded batch_size at a time, the same values as one call."""
@@ -229,6 +283,47 @@ def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path, over):
     if over:  # 8 rows of one generation: old and reference log-probs in 2 chunks each
         assert ours.flexpack_stats.calls == 2 + 2 + 2
     assert ours.model.config._attn_implementation == "sdpa"  # restored after train()
+
+
+def test_moe_with_router_aux_loss_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path):
+    """gpt-oss, TRL's defaults (router load-balancing loss on): GRPO (2 steps, a reference
+    model, 2 iterations, accumulation 2) and DPO (2 steps) run every log-prob forward as trees
+    (no fallback) and equal TRL's own trainers in losses, aux losses and weights (SGD: Adam
+    turns float noise on an expert's ~0 gradient into a step of ~lr)."""
+    runs = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, kind="gpt_oss",
+                       max_completion_length=4, optim="sgd")  # fmt: skip
+        assert trainer.aux_loss_enabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = trainer
+    for name, cls in (("trl-dpo", trl.DPOTrainer), ("flexpack-dpo", ftrl.DPOTrainer)):
+        args = trl.DPOConfig(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=2,
+            use_cpu=True, bf16=False, report_to=[], seed=0, logging_steps=1,
+            save_strategy="no", learning_rate=1e-2, beta=0.1, optim="sgd",
+        )  # fmt: skip
+        trainer = cls(model=tiny("gpt_oss"), ref_model=tiny("gpt_oss"), args=args,
+                      train_dataset=dpo_data(), processing_class=tokenizer)  # fmt: skip
+        assert trainer.aux_loss_enabled
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = trainer
+    for ours, theirs in (("flexpack", "trl"), ("flexpack-dpo", "trl-dpo")):
+        got, want = runs[ours], runs[theirs]
+        assert got.flexpack_stats.fallbacks == 0 and got.flexpack_stats.calls > 0, ours
+        logged = [h for h in got.state.log_history if "loss" in h]
+        expected = [h for h in want.state.log_history if "loss" in h]
+        assert len(logged) == len(expected) == 2
+        for a, b in zip(logged, expected, strict=True):
+            for k in ("loss", "aux_loss"):
+                assert a[k] == pytest.approx(b[k], abs=1e-4), (ours, k)
+        got_w, want_w = weights(got.model), weights(want.model)
+        for k in want_w:
+            torch.testing.assert_close(got_w[k], want_w[k], atol=1e-5, rtol=0, msg=k)
 
 
 def test_rloo_shares_the_seam(model_dir, tokenizer, tmp_path):
@@ -472,6 +567,7 @@ def test_ddp_wrapped_model_runs_trees_through_ddps_forward(model_dir, tokenizer,
     """A DDP-wrapped model runs the tree forward inside DDP's own forward (its reducer is
     prepared, as after any forward of its own); values and gradients as TRL's. Two ranks:
     tests/test_trl_distributed.py."""
+    import datetime
     import socket
 
     import torch.distributed as dist
@@ -481,7 +577,10 @@ def test_ddp_wrapped_model_runs_trees_through_ddps_forward(model_dir, tokenizer,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(  # a stuck rendezvous fails the test, not the whole run
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=60),
+    )  # fmt: skip
     try:
         ddp = torch.nn.parallel.DistributedDataParallel(trainer.model)
         calls = []

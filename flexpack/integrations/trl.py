@@ -26,9 +26,11 @@ forward around it (gradient reduction, unsharding). DeepSpeed ZeRO-3 is refused 
 
 The model may come with any ``attn_implementation``: each tree forward switches it to flexpack's
 on that model instance and back (``model.set_attn_implementation``), so generation and the
-rest of training keep the user's. Rows TRL pads some other way (multimodal inputs, MoE
-auxiliary losses, completion masks with holes, DPO's WPO weighting) take TRL's own path, with a
-warning once. trl and transformers are imported lazily (extra ``trl``).
+rest of training keep the user's. An MoE model's router load-balancing loss is computed over
+the trees' tokens, each weighed by the rollouts that share it, which is the loss over TRL's
+padded rows. Rows TRL pads some other way (multimodal inputs, completion masks with holes,
+DPO's WPO weighting, rows without completion tokens when the router loss is on) take TRL's own
+path, with a warning once. trl and transformers are imported lazily (extra ``trl``).
 
 Shape legend: B rows of TRL's batch, P prompt tokens, C completion tokens (``logits_to_keep``),
 S = P + C.
@@ -170,6 +172,22 @@ class _TreeRequest:
     cast_lm_head_to_fp32: bool = False
     chunk_size: int = 1024
     backend: str = "auto"
+    router_aux_loss: bool = False
+
+
+def _router_aux_loss(model: Any, router_logits: Any, counts: Tensor) -> Tensor:
+    """The load-balancing loss TRL's fused head adds for MoE models (Mixtral's, which every MoE
+    family of transformers shares), over tree tokens weighed by ``counts`` (R, S): the times
+    each appears in the padded rows the trees replace. transformers' function weighs tokens
+    by its mask's values, so the counts go in as the mask: equal to the loss over those rows."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = getattr(text, "num_experts", None) or getattr(text, "num_local_experts", None)
+    return load_balancing_loss_func(
+        router_logits, experts, text.num_experts_per_tok, counts.to(torch.float32)
+    )
 
 
 def _run_trees(model: Any, request: _TreeRequest) -> dict[str, Tensor | None]:
@@ -193,6 +211,7 @@ def _run_trees(model: Any, request: _TreeRequest) -> dict[str, Tensor | None]:
     # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
     # flex path, padded to a bucket length, so batches of new lengths do not recompile.
     mask = batch.mask()
+    extra = {"output_router_logits": True} if request.router_aux_loss else {}
     with _attn_implementation(model, register()):
         out = model.base_model(
             input_ids=batch.input_ids,
@@ -200,7 +219,11 @@ def _run_trees(model: Any, request: _TreeRequest) -> dict[str, Tensor | None]:
             flexpack_mask=mask,
             flexpack_backend=request.backend,
             use_cache=False,
+            **extra,
         )
+    aux = None
+    if request.router_aux_loss:
+        aux = _router_aux_loss(model, out.router_logits, batch.token_counts())
     hidden = out.last_hidden_state  # (R, S, H)
     logit_scale, softcap = _logit_transform(model)
     ctx: Any = contextlib.nullcontext()
@@ -215,7 +238,7 @@ def _run_trees(model: Any, request: _TreeRequest) -> dict[str, Tensor | None]:
             chunk_size=request.chunk_size,
         )  # fmt: skip
     # A dict of tensors: DDP (find_unused_parameters) and FSDP2 find the outputs in it.
-    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)}
+    return {f.name: getattr(r, f.name) for f in dataclasses.fields(r)} | {"aux_loss": aux}
 
 
 def _install_tree_forward(model: Any) -> bool:
@@ -267,6 +290,7 @@ def tree_logps(
     cast_lm_head_to_fp32: bool = False,
     chunk_size: int = 1024,
     backend: str = "auto",
+    router_aux_loss: bool = False,
 ) -> RolloutLogps:
     """One forward of a transformers causal LM over packed trees; per-rollout log-probs.
 
@@ -289,6 +313,9 @@ def tree_logps(
         cast_lm_head_to_fp32: run the LM head in float32 outside autocast (TRL's option).
         backend: the ``flexpack.attention`` backend of the tree forward ("auto": compiled flex
             on CUDA, one SDPA call per segment elsewhere; "sdpa": per segment everywhere).
+        router_aux_loss: also the MoE router's load-balancing loss (``aux_loss``), each tree
+            token weighed by the rollouts that hold it: the loss TRL's padded forward of the
+            same rows computes.
 
     Returns:
         :class:`flexpack.trees.RolloutLogps`; ``trees.scatter`` puts its fields in (B, C).
@@ -332,7 +359,7 @@ def tree_logps(
     request = _TreeRequest(
         trees, temperature=temperature, entropy=entropy, mean_logits=mean_logits,
         is_top1=is_top1, cast_lm_head_to_fp32=cast_lm_head_to_fp32, chunk_size=chunk_size,
-        backend=backend,
+        backend=backend, router_aux_loss=router_aux_loss,
     )  # fmt: skip
     # Through the model's own __call__ (and its wrapper's: DDP's forward prepares the gradient
     # reduction, FSDP2's hooks unshard and reshard), with the tree forward inside it.
@@ -600,9 +627,6 @@ def _per_token_logps_and_entropies(
         compute_aux_loss=compute_aux_loss,
         **multimodal,
     )
-    if compute_aux_loss:
-        self._flexpack_fallback("the model returns an MoE auxiliary loss")
-        return fallback()
     if any(v is not None for v in multimodal.values()):
         self._flexpack_fallback("multimodal inputs (images) are not packed as trees")
         return fallback()
@@ -612,7 +636,7 @@ def _per_token_logps_and_entropies(
     C = int(logits_to_keep)
     B = input_ids.shape[0]
     step = batch_size or B  # TRL's chunking of the no-grad passes, to bound their peak
-    logps, entropies = [], []
+    logps, entropies, aux = [], [], []
     for start in range(0, B, step):
         ids, mask = input_ids[start : start + step], attention_mask[start : start + step]
         try:
@@ -621,6 +645,9 @@ def _per_token_logps_and_entropies(
             )
         except ValueError as e:
             self._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
+            return fallback()
+        if compute_aux_loss and not _every_row_a_rollout(trees):
+            self._flexpack_fallback(_EMPTY_ROWS_AUX)
             return fallback()
         self._flexpack_count(trees, tuple(ids.shape))
         with self.accelerator.autocast():
@@ -631,11 +658,30 @@ def _per_token_logps_and_entropies(
                 entropy=compute_entropy,
                 cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
                 backend=self.flexpack_backend,
+                router_aux_loss=compute_aux_loss,
             )
         logps.append(trees.scatter(r.logps))
         if compute_entropy:
             entropies.append(trees.scatter(r.entropies))
-    return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+        if compute_aux_loss:
+            aux.append(r.aux_loss)
+    return (
+        torch.cat(logps),
+        torch.cat(entropies) if compute_entropy else None,
+        torch.stack(aux).mean() if compute_aux_loss else None,  # TRL's: the chunks' mean
+    )
+
+
+_EMPTY_ROWS_AUX = (
+    "a row without completion tokens joins TRL's MoE auxiliary loss with its prompt, which no "
+    "tree holds"
+)
+
+
+def _every_row_a_rollout(trees: PaddedTrees) -> bool:
+    """Whether every padded row is a rollout of the trees (so the trees hold every real token
+    of the rows: what a statistic over the rows, such as the router's loss, needs)."""
+    return bool((trees.row_rollout >= 0).all())
 
 
 def _grpo_like(base: type, name: str, doc: str) -> type:
@@ -711,7 +757,8 @@ class _TreeCaller:
         return getattr(self.model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        known = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache"}
+        known = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache",
+                 "output_router_logits"}  # fmt: skip
         others = [k for k, v in kwargs.items() if k not in known and v is not None]
         if args or not kwargs.get("fused_lm_head") or others:
             self.trainer._flexpack_fallback(f"DPO passed inputs flexpack does not pack ({others})")
@@ -729,10 +776,15 @@ class _TreeCaller:
         except ValueError as e:
             self.trainer._flexpack_fallback(f"this batch cannot be packed as trees ({e})")
             return self.model(*args, **kwargs)
+        aux = bool(kwargs.get("output_router_logits"))
+        if aux and not _every_row_a_rollout(trees):
+            self.trainer._flexpack_fallback(_EMPTY_ROWS_AUX)
+            return self.model(*args, **kwargs)
         self.trainer._flexpack_count(trees, tuple(input_ids.shape))
         r = tree_logps(
             self.model, trees, entropy=self.extras,
             mean_logits=self.extras, is_top1=self.extras, backend=self.trainer.flexpack_backend,
+            router_aux_loss=aux,
         )  # fmt: skip
         B, S = input_ids.shape
         C = trees.completion_mask.shape[1]
@@ -752,6 +804,7 @@ class _TreeCaller:
             entropy=place(r.entropies),
             mean_logits=place(r.mean_logits),
             is_top1=None if top1 is None else top1.bool(),
+            aux_loss=r.aux_loss,
         )
 
 
