@@ -10,14 +10,15 @@ One training step (forward + backward of the summed logits) over the same sample
   with the recurrent / conv mixers run once per group of right-padded documents (the path
   every room has);
 - ``flexpack, one pass``: the same, with the mixers that have one (the short conv, the gated
-  delta rule, Mamba2) run once over the whole rows with the documents kept apart inside.
+  delta rule, KDA, Mamba2, Mamba) run once over the whole rows with the documents kept apart
+  inside.
 
 Models: a Llama (attention only) for scale, LFM2 (short convs), Qwen3.5 (gated delta rule),
-Bamba (Mamba2); hidden 256, 4 layers (3 mixers then attention; Llama 4 attention layers),
-fp32, torch's default threads. The ratio is real tokens per second over the padded path's.
+Bamba (Mamba2), Kimi Linear (KDA), Jamba (Mamba); hidden 256, 4 layers (3 mixers then
+attention; Llama: 4 attention layers), fp32, torch's default threads. The ratio is real tokens per second over the padded path's.
 Peak is the peak of live tensor bytes during one step (torch's profiler).
 
-Run: ``PYTHONPATH=$PWD python bench/hybrid_sft.py`` (about 3 minutes on a quiet 2-core CPU).
+Run: ``PYTHONPATH=$PWD python bench/hybrid_sft.py`` (about 6 minutes on a quiet 2-core CPU).
 ``--device cuda`` runs the same on a GPU (no fla / causal-conv1d / mamba_ssm needed: the
 torch paths are what is timed; peak is ``torch.cuda.max_memory_allocated`` there), and a word
 keeps only the models whose name has it (``--only Qwen``).
@@ -54,6 +55,14 @@ FAMILIES = {  # name: (config class, kwargs)
     "Bamba (Mamba2)": ("BambaConfig", dict(
         attn_layer_indices=[3], mamba_chunk_size=64, mamba_d_conv=4, mamba_expand=2,
         mamba_n_heads=8, mamba_d_head=64, mamba_d_state=32)),
+    "Kimi Linear (KDA)": ("KimiLinearConfig", dict(
+        layer_types=MIXED, num_experts=2, num_experts_per_token=1, moe_intermediate_size=128,
+        first_k_dense_replace=4, q_lora_rank=None, kv_lora_rank=64, qk_rope_head_dim=32,
+        qk_nope_head_dim=32, v_head_dim=64, num_key_value_heads=4, linear_head_dim=64,
+        linear_num_heads=4)),
+    "Jamba (Mamba)": ("JambaConfig", dict(
+        attn_layer_period=4, attn_layer_offset=3, num_experts=1, mamba_d_conv=4,
+        mamba_expand=2, mamba_d_state=16, mamba_dt_rank=16)),
 }  # fmt: skip
 ROW, ROWS, REPEATS = 2048, 2, 3
 
