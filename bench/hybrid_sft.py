@@ -15,8 +15,9 @@ One training step (forward + backward of the summed logits) over the same sample
 
 Models: a Llama (attention only) for scale, LFM2 (short convs), Qwen3.5 (gated delta rule),
 Bamba (Mamba2), Kimi Linear (KDA), Jamba (Mamba); hidden 256, 4 layers (3 mixers then
-attention; Llama: 4 attention layers), fp32, torch's default threads. The ratio is real tokens per second over the padded path's.
-Peak is the peak of live tensor bytes during one step (torch's profiler).
+attention; Llama: 4 attention layers), fp32, torch's default threads. The ratio is real
+tokens per second over the padded path's. Peak is the peak of live tensor bytes during one
+step (torch's profiler).
 
 Run: ``PYTHONPATH=$PWD python bench/hybrid_sft.py`` (about 6 minutes on a quiet 2-core CPU).
 ``--device cuda`` runs the same on a GPU (no fla / causal-conv1d / mamba_ssm needed: the
