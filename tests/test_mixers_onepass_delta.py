@@ -139,6 +139,9 @@ def test_one_document_per_row_equals_transformers_chunked_rule():
     beta = torch.rand(B, S, Hv, generator=g)
     segments = torch.arange(B)[:, None].expand(B, S)
     ours = delta.segment_chunk_gated_delta_rule(q, k, v, decay, beta, segments)
+    # transformers 5.17's rule takes q and k with the value heads already (the module repeats
+    # them first); 5.25's repeats them itself
+    q, k = (t.repeat_interleave(Hv // Hk, dim=2) for t in (q, k))
     theirs, _ = torch_chunk_gated_delta_rule(q, k, v, g=decay, beta=beta,
                                              use_qk_l2norm_in_kernel=True)  # fmt: skip
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)

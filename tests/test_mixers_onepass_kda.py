@@ -147,7 +147,10 @@ def test_bailing_hybrid_takes_the_one_pass_too(monkeypatch):
 
     import flexpack
 
-    model, reference = _zoo.build("bailing_hybrid")
+    try:
+        model, reference = _zoo.build("bailing_hybrid")
+    except _zoo.Unbuildable as e:  # transformers before 5.24 has no bailing_hybrid
+        pytest.skip(str(e)[:200])
     batch = flexpack.pack_sequences(_zoo.samples(model.config.vocab_size), _zoo.MAX_LEN)
     with torch.no_grad():
         model(input_ids=batch.input_ids, doc_ids=batch.doc_ids, use_cache=False)  # self-check

@@ -119,6 +119,8 @@ def _recurrent_scan_forward(module, hidden_states, B, C, dt, cache, **kwargs):
 def _alone(mixer, x, doc_ids, *, recurrent: bool):
     """Each document through the plain module: {(row, start, end): (1, n, H)}."""
     modeling = sys.modules[type(mixer).__module__]
+    if recurrent and not hasattr(modeling, "mamba2_scan_forward"):  # transformers before 5.25
+        pytest.skip(f"{modeling.__name__} has no mamba2_scan_forward for the float64 reference")
     with pytest.MonkeyPatch.context() as patch:
         if recurrent:
             patch.setattr(modeling, "mamba2_scan_forward", _recurrent_scan_forward)
