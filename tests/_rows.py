@@ -26,3 +26,15 @@ def documents(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
                     out.append((row, start, i))
                 start = i
     return out
+
+
+def layout_ids(rows: list[list[int]], length: int) -> torch.Tensor:
+    """(len(rows), length) int64 doc ids of rows given as their documents' lengths, each row's
+    documents numbered from 0 and right-padded with -1 (an empty row is all padding)."""
+    ids = torch.full((len(rows), length), -1, dtype=torch.int64)
+    for b, lengths in enumerate(rows):
+        at = 0
+        for j, n in enumerate(lengths):
+            ids[b, at : at + n] = j
+            at += n
+    return ids

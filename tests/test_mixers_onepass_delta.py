@@ -20,6 +20,7 @@ from flexpack.mixers import delta  # noqa: E402
 from flexpack.mixers._plan import DocumentPlan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rows import documents, layout_ids  # noqa: E402
 from test_mixers import _model  # noqa: E402
 
 # documents longer than a chunk (64), starting mid-chunk, of one token; a padding-only row
@@ -27,28 +28,6 @@ LAYOUTS = {
     "mixed": [[70, 1, 40, 17], [3, 100, 2], []],
     "one per row": [[130], [64]],
 }
-
-
-def _layout(rows: list[list[int]], S: int) -> torch.Tensor:
-    ids = torch.full((len(rows), S), -1, dtype=torch.int64)
-    for b, lengths in enumerate(rows):
-        at = 0
-        for j, n in enumerate(lengths):
-            ids[b, at : at + n] = j
-            at += n
-    return ids
-
-
-def _spans(doc_ids: torch.Tensor):
-    out = []
-    for b, row in enumerate(doc_ids.tolist()):
-        start = 0
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[start]:
-                if row[start] >= 0:
-                    out.append((b, start, i))
-                start = i
-    return out
 
 
 def _mixer(dtype):
@@ -75,7 +54,7 @@ def _recurrence(q, k, v, g, beta):
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_the_rule_on_packed_rows_equals_the_recurrence_per_document(layout):
     """float64, 1e-10: each document's outputs and gradients are its own recurrence's."""
-    doc_ids = _layout(LAYOUTS[layout], S=140)
+    doc_ids = layout_ids(LAYOUTS[layout], 140)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     g = torch.Generator().manual_seed(0)
     B, S = doc_ids.shape
@@ -89,7 +68,7 @@ def test_the_rule_on_packed_rows_equals_the_recurrence_per_document(layout):
     out = delta.segment_chunk_gated_delta_rule(q, k, v, decay, beta, plan.seq_idx.view(B, S))
     got = torch.autograd.grad((out * probe)[doc_ids >= 0].sum(), inputs)
     want = [torch.zeros_like(t) for t in inputs]
-    for b, a, e in _spans(doc_ids):
+    for b, a, e in documents(doc_ids):
         pieces = [t.detach()[b, a:e].requires_grad_(True) for t in inputs]
         alone = _recurrence(*pieces)
         torch.testing.assert_close(out[b, a:e], alone, rtol=0, atol=1e-10)
@@ -104,7 +83,7 @@ def test_the_mixer_in_one_pass_equals_each_document_alone_with_gradients():
     """The whole GatedDeltaNet (fp32): outputs, input and parameter gradients equal each
     document run alone through the module's own forward (1e-5)."""
     mixer = _model("gated_delta_rule").model.layers[0].linear_attn
-    doc_ids = _layout(LAYOUTS["mixed"], S=140)
+    doc_ids = layout_ids(LAYOUTS["mixed"], 140)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(*doc_ids.shape, mixer.hidden_size, generator=g).requires_grad_(True)
@@ -114,7 +93,7 @@ def test_the_mixer_in_one_pass_equals_each_document_alone_with_gradients():
     params = list(mixer.parameters())
     got = torch.autograd.grad((out * probe).sum(), [x, *params])
     want_x, want_p = torch.zeros_like(x), [torch.zeros_like(p) for p in params]
-    for b, a, e in _spans(doc_ids):
+    for b, a, e in documents(doc_ids):
         piece = x.detach()[b : b + 1, a:e].requires_grad_(True)
         alone = mixer(piece)
         torch.testing.assert_close(out[b, a:e], alone[0], rtol=0, atol=1e-5)
@@ -154,7 +133,7 @@ def test_float32_model_takes_the_one_pass_and_equals_documents_alone(monkeypatch
 
     model = fm.adapt(_model("gated_delta_rule", register()))
     reference = _model("gated_delta_rule")
-    doc_ids = _layout([[70, 1, 40, 17], [3, 100, 2]], S=140)
+    doc_ids = layout_ids([[70, 1, 40, 17], [3, 100, 2]], 140)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 64, doc_ids.shape, generator=g)
     with torch.no_grad():
@@ -163,7 +142,7 @@ def test_float32_model_takes_the_one_pass_and_equals_documents_alone(monkeypatch
         assert delta.GATED_DELTA_RULE.one_pass.verified[type(mixer)] is True
         monkeypatch.setattr(DocumentPlan, "split", _no_split)
         out = model(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
-        for b, a, e in _spans(doc_ids):
+        for b, a, e in documents(doc_ids):
             want = reference(input_ids=ids[b : b + 1, a:e], use_cache=False).logits[0]
             torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-5)
 

@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from _rows import documents, layout_ids  # noqa: E402
+
 import flexpack.mixers as fm  # noqa: E402
 from flexpack.integrations._tiny import tiny_config  # noqa: E402
 from flexpack.mixers import ssm  # noqa: E402
@@ -43,28 +45,6 @@ LAYOUTS = {
     "one per row": [[13], [24]],
 }
 S = 24
-
-
-def _layout(rows: list[list[int]], length: int = S) -> torch.Tensor:
-    ids = torch.full((len(rows), length), -1, dtype=torch.int64)
-    for b, lengths in enumerate(rows):
-        at = 0
-        for j, n in enumerate(lengths):
-            ids[b, at : at + n] = j
-            at += n
-    return ids
-
-
-def _spans(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    out = []
-    for b, row in enumerate(doc_ids.tolist()):
-        start = 0
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[start]:
-                if row[start] >= 0:
-                    out.append((b, start, i))
-                start = i
-    return out
 
 
 @functools.cache
@@ -121,7 +101,7 @@ def _alone(mixer, x, doc_ids, *, recurrent: bool):
     with pytest.MonkeyPatch.context() as patch:
         if recurrent:
             patch.setattr(modeling, "mamba_scan_forward", _recurrent_scan_forward)
-        return {(b, a, e): mixer(x[b : b + 1, a:e]) for b, a, e in _spans(doc_ids)}
+        return {(b, a, e): mixer(x[b : b + 1, a:e]) for b, a, e in documents(doc_ids)}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -158,7 +138,7 @@ def test_one_pass_is_each_document_alone_float64(kind, layout):
     to 1e-8; padding gives zeros."""
     model = _model(kind)
     mixer = _mixer(model)
-    doc_ids = _layout(LAYOUTS[layout])
+    doc_ids = layout_ids(LAYOUTS[layout], S)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     x, weights = _inputs(model, doc_ids, torch.float64)
     params = [p for p in mixer.parameters() if p.requires_grad]
@@ -208,7 +188,7 @@ def _through_adapt(kind, rows, monkeypatch):
     """The float32 mixer adapted, on ``rows``' layout: (calls, out, got grads, alone, want)."""
     model = _model(kind, torch.float32)
     mixer = _mixer(model)
-    doc_ids = _layout(rows)
+    doc_ids = layout_ids(rows, S)
     x, weights = _inputs(model, doc_ids, torch.float32)
     params = [p for p in mixer.parameters() if p.requires_grad]
     ref = x.clone().requires_grad_()
@@ -256,7 +236,7 @@ def test_float64_rows_and_a_padding_mask_keep_the_per_group_calls(monkeypatch):
     numbers) and a padding mask leave the one pass out."""
     model = _model("jamba", torch.float64)
     mixer = _mixer(model)
-    doc_ids = _layout(LAYOUTS["mixed"])
+    doc_ids = layout_ids(LAYOUTS["mixed"], S)
     x, _ = _inputs(model, doc_ids, torch.float64)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     assert ssm.MAMBA.one_pass(mixer, None, x, plan, {}) is None
@@ -288,7 +268,7 @@ def test_a_mixer_built_otherwise_fails_closed():
             return 2 * plain.forward(self, hidden_states, cache, attention_mask, **kwargs)
 
     mixer.__class__ = Doubled
-    doc_ids = _layout(LAYOUTS["mixed"])
+    doc_ids = layout_ids(LAYOUTS["mixed"], S)
     x, _ = _inputs(model, doc_ids, torch.float32)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     own = Doubled.forward.__get__(mixer)
@@ -311,7 +291,7 @@ def _layouts(draw):
             lengths.append(n)
             room -= n
         rows.append(lengths)
-    return _layout(rows, length), draw(st.integers(1, 6))
+    return layout_ids(rows, length), draw(st.integers(1, 6))
 
 
 @functools.cache

@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
+from _rows import documents, layout_ids  # noqa: E402
+
 import flexpack.mixers as fm  # noqa: E402
 from flexpack.integrations._tiny import tiny_config  # noqa: E402
 from flexpack.mixers import ssm  # noqa: E402
@@ -48,28 +50,6 @@ LAYOUTS = {
     "one per row": [[13], [24]],
 }
 S = 24
-
-
-def _layout(rows: list[list[int]], length: int = S) -> torch.Tensor:
-    ids = torch.full((len(rows), length), -1, dtype=torch.int64)
-    for b, lengths in enumerate(rows):
-        at = 0
-        for j, n in enumerate(lengths):
-            ids[b, at : at + n] = j
-            at += n
-    return ids
-
-
-def _spans(doc_ids: torch.Tensor) -> list[tuple[int, int, int]]:
-    out = []
-    for b, row in enumerate(doc_ids.tolist()):
-        start = 0
-        for i in range(1, len(row) + 1):
-            if i == len(row) or row[i] != row[start]:
-                if row[start] >= 0:
-                    out.append((b, start, i))
-                start = i
-    return out
 
 
 def _model(kind: str, dtype=torch.float64):
@@ -124,7 +104,7 @@ def _alone(mixer, x, doc_ids, *, recurrent: bool):
     with pytest.MonkeyPatch.context() as patch:
         if recurrent:
             patch.setattr(modeling, "mamba2_scan_forward", _recurrent_scan_forward)
-        return {(b, a, e): mixer(x[b : b + 1, a:e]) for b, a, e in _spans(doc_ids)}
+        return {(b, a, e): mixer(x[b : b + 1, a:e]) for b, a, e in documents(doc_ids)}
 
 
 def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
@@ -161,7 +141,7 @@ def test_one_pass_is_each_document_alone_float64(kind, layout):
     to 1e-8; padding gives zeros."""
     model = _model(kind)
     mixer = _mixer(model)
-    doc_ids = _layout(LAYOUTS[layout])
+    doc_ids = layout_ids(LAYOUTS[layout], S)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     x, weights = _inputs(model, doc_ids, torch.float64)
     params = [p for p in mixer.parameters() if p.requires_grad]
@@ -209,7 +189,7 @@ def test_adapted_mixer_runs_the_one_pass_float32(kind, monkeypatch):
     within 1e-5 of the plain module alone, gradients too."""
     model = _model(kind, torch.float32)
     mixer = _mixer(model)
-    doc_ids = _layout(LAYOUTS["mixed"])
+    doc_ids = layout_ids(LAYOUTS["mixed"], S)
     x, weights = _inputs(model, doc_ids, torch.float32)
     params = [p for p in mixer.parameters() if p.requires_grad]
     rows = x.clone().requires_grad_()
@@ -246,7 +226,7 @@ def test_float64_rows_and_a_cache_keep_the_per_group_calls(monkeypatch):
     numbers) and a padding mask leave the one pass out."""
     model = _model("bamba", torch.float64)
     mixer = _mixer(model)
-    doc_ids = _layout(LAYOUTS["mixed"])
+    doc_ids = layout_ids(LAYOUTS["mixed"], S)
     x, _ = _inputs(model, doc_ids, torch.float64)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     assert ssm.MAMBA2.one_pass(mixer, None, x, plan, {}) is None
@@ -278,7 +258,7 @@ def test_a_mixer_built_otherwise_fails_closed():
             return 2 * plain.forward(self, hidden_states, cache, attention_mask, **kwargs)
 
     mixer.__class__ = Doubled
-    doc_ids = _layout(LAYOUTS["mixed"])
+    doc_ids = layout_ids(LAYOUTS["mixed"], S)
     x, _ = _inputs(model, doc_ids, torch.float32)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     own = Doubled.forward.__get__(mixer)
@@ -298,7 +278,7 @@ def _layouts(draw):
             lengths.append(n)
             room -= n
         rows.append(lengths)
-    return _layout(rows, length), draw(st.integers(1, 6))
+    return layout_ids(rows, length), draw(st.integers(1, 6))
 
 
 @functools.cache
