@@ -70,7 +70,7 @@ def segment_chunk_gated_delta_rule(
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)  # fp32 as transformers; float64 kept
     B, S, Hk, Dk = key.shape
-    Hv, Dv = value.shape[-2:]
+    Hv = value.shape[-2]
     if Hk != Hv:
         query = query.repeat_interleave(Hv // Hk, dim=2)
         key = key.repeat_interleave(Hv // Hk, dim=2)
@@ -113,12 +113,29 @@ def segment_chunk_gated_delta_rule(
     tail = seg == seg[..., -1:]
     key = key * ((cum[..., -1:] - cum).masked_fill(~tail, float("-inf")).exp())[..., None]
     chunk_decay = into[..., -1, None, None]  # (B, H, N, 1, 1)
-    # the scan over chunks carries only the state; the outputs come after it in batched
-    # matmuls (writing each chunk's slice of one output tensor would copy all of its gradient
-    # once per chunk in backward),
-    # (and the chunks are taken apart once: indexing chunk i in the loop would build a zero
-    # gradient of the whole tensor per chunk)
-    state = query.new_zeros(B, Hv, Dk, Dv)
+    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay)[:, :, :S]
+    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+def _scan_chunks(
+    query: Tensor,
+    key: Tensor,
+    intra: Tensor,
+    new_values: Tensor,
+    k_cumdecay: Tensor,
+    chunk_decay: Tensor,
+) -> Tensor:
+    """The delta rules' scan over chunks (B, H, N, C, ...) -> outputs (B, H, N * C, Dv): the
+    state carried from chunk to chunk, then each chunk's read of it and its own attention.
+
+    The loop carries only the state; the outputs come after it in batched matmuls (writing
+    each chunk's slice of one output tensor would copy all of its gradient once per chunk in
+    backward), and the chunks are taken apart once (indexing chunk i in the loop would build a
+    zero gradient of the whole tensor per chunk). ``key`` is decayed to its chunk's end,
+    ``chunk_decay`` (B, H, N, 1 or Dk, 1) the carried state's decay across each chunk.
+    """
+    B, H, N, C, Dk = key.shape
+    state = query.new_zeros(B, H, Dk, new_values.shape[-1])
     states, v_news = [], []
     for values, k_decay, decay, k in zip(
         new_values.unbind(2), k_cumdecay.unbind(2), chunk_decay.unbind(2),
@@ -129,8 +146,7 @@ def segment_chunk_gated_delta_rule(
         v_news.append(v_new)
         state = state * decay + k @ v_new
     out = query @ torch.stack(states, dim=2) + intra @ torch.stack(v_news, dim=2)
-    out = out.reshape(B, Hv, -1, Dv)[:, :, :S]
-    return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    return out.reshape(B, H, N * C, -1)
 
 
 _PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
@@ -273,7 +289,6 @@ def _chunk_kda(
 ) -> Tensor:
     compute = torch.promote_types(query.dtype, torch.float32)
     B, S, H, Dk = key.shape
-    Dv = value.shape[-1]
     query, key, value, beta, g = (
         t.transpose(1, 2).to(compute, memory_format=torch.contiguous_format)
         for t in (query, key, value, beta, g)
@@ -320,20 +335,7 @@ def _chunk_kda(
     tail = (seg == seg[..., -1:])[..., None]
     key = key * (cum[..., -1:, :] - cum).masked_fill(~tail, float("-inf")).exp()
     chunk_decay = into[..., -1, :, None]  # (B, H, N, Dk, 1)
-    # the state scan as in segment_chunk_gated_delta_rule: chunks taken apart once, the
-    # outputs in batched matmuls after it
-    state = query.new_zeros(B, H, Dk, Dv)
-    states, v_news = [], []
-    for values, k_decay, decay, k in zip(
-        new_values.unbind(2), k_cumdecay.unbind(2), chunk_decay.unbind(2),
-        key.transpose(-1, -2).unbind(2), strict=True,
-    ):  # fmt: skip
-        v_new = values - k_decay @ state
-        states.append(state)
-        v_news.append(v_new)
-        state = state * decay + k @ v_new
-    out = query @ torch.stack(states, dim=2) + intra @ torch.stack(v_news, dim=2)
-    out = out.reshape(B, H, -1, Dv)[:, :, :S]
+    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay)[:, :, :S]
     return out.transpose(1, 2).contiguous()
 
 
