@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
 import warnings
 
 import pytest
@@ -24,7 +23,8 @@ from hypothesis import strategies as st
 
 transformers = pytest.importorskip("transformers")
 
-from _rows import documents, layout_ids  # noqa: E402
+from _onepass import close, count, each_alone, inputs  # noqa: E402
+from _rows import layout_ids  # noqa: E402
 
 import flexpack.mixers as fm  # noqa: E402
 from flexpack.integrations._tiny import tiny_config  # noqa: E402
@@ -93,29 +93,8 @@ def _recurrent_scan_forward(module, hidden_states, time_step, B, C, gate, cache,
     return torch.stack(ys, -1) * torch.nn.functional.silu(gate)
 
 
-def _alone(mixer, x, doc_ids, *, recurrent: bool):
-    """Each document through the plain module: {(row, start, end): (1, n, H)}."""
-    modeling = sys.modules[type(mixer).__module__]
-    if recurrent and not hasattr(modeling, "mamba_scan_forward"):  # transformers before 5.25
-        pytest.skip(f"{modeling.__name__} has no mamba_scan_forward for the float64 reference")
-    with pytest.MonkeyPatch.context() as patch:
-        if recurrent:
-            patch.setattr(modeling, "mamba_scan_forward", _recurrent_scan_forward)
-        return {(b, a, e): mixer(x[b : b + 1, a:e]) for b, a, e in documents(doc_ids)}
-
-
-def _close(got: torch.Tensor, want: torch.Tensor, tol: float) -> None:
-    """Every element within ``tol`` of the largest of ``want`` (float32 rounds each sum)."""
-    scale = max(want.abs().max().item(), 1e-3)
-    error = (got - want).abs().max().item()
-    assert error <= tol * scale, f"{error:.3g} > {tol:g} * {scale:.3g}"
-
-
-def _inputs(model, doc_ids, dtype):
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(*doc_ids.shape, model.config.hidden_size, generator=g, dtype=dtype)
-    weights = torch.randn(*doc_ids.shape, model.config.hidden_size, generator=g, dtype=dtype)
-    return x, weights
+# the plain module with its scan the float64 recurrence (what each_alone swaps in)
+REFERENCE = dict(seam="mamba_scan_forward", scan=_recurrent_scan_forward)
 
 
 @pytest.mark.parametrize("kind", sorted(KINDS))
@@ -126,9 +105,9 @@ def test_recurrence_is_the_modules_own_scan_float32(kind):
     x = torch.randn(2, 11, model.config.hidden_size, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = mixer(x)
-        got = _alone(mixer, x, torch.zeros(2, 11, dtype=torch.int64), recurrent=True)
+        got = each_alone(mixer, x, torch.zeros(2, 11, dtype=torch.int64), **REFERENCE)
     for (b, _, _), out in got.items():
-        _close(out[0], want[b], 1e-5)
+        close(out[0], want[b], 1e-5)
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -140,7 +119,7 @@ def test_one_pass_is_each_document_alone_float64(kind, layout):
     mixer = _mixer(model)
     doc_ids = layout_ids(LAYOUTS[layout], S)
     plan = DocumentPlan.from_doc_ids(doc_ids)
-    x, weights = _inputs(model, doc_ids, torch.float64)
+    x, weights = inputs(model, doc_ids, torch.float64)
     params = [p for p in mixer.parameters() if p.requires_grad]
 
     packed = x.clone().requires_grad_()
@@ -148,7 +127,7 @@ def test_one_pass_is_each_document_alone_float64(kind, layout):
     got = torch.autograd.grad((out * weights).sum(), [packed, *params], allow_unused=True)
 
     rows = x.clone().requires_grad_()
-    alone = _alone(mixer, rows, doc_ids, recurrent=True)
+    alone = each_alone(mixer, rows, doc_ids, **REFERENCE)
     loss = sum((o[0] * weights[b, a:e]).sum() for (b, a, e), o in alone.items())
     want = torch.autograd.grad(loss, [rows, *params], allow_unused=True)
 
@@ -162,24 +141,6 @@ def test_one_pass_is_each_document_alone_float64(kind, layout):
         torch.testing.assert_close(g, w, rtol=1e-8, atol=1e-8, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def _count(monkeypatch):
-    """Calls of the one pass and of the per-group split, from now on."""
-    calls = {"one_pass": 0, "split": 0}
-    one_pass, split = ssm.MAMBA.one_pass.fn, DocumentPlan.split
-
-    def counted_one_pass(*args, **kwargs):
-        calls["one_pass"] += 1
-        return one_pass(*args, **kwargs)
-
-    def counted_split(*args, **kwargs):
-        calls["split"] += 1
-        return split(*args, **kwargs)
-
-    monkeypatch.setattr(ssm.MAMBA.one_pass, "fn", counted_one_pass)
-    monkeypatch.setattr(DocumentPlan, "split", counted_split)
-    return calls
-
-
 def mixer_name(model, mixer) -> str:
     return next(name for name, m in model.named_modules() if m is mixer)
 
@@ -189,10 +150,10 @@ def _through_adapt(kind, rows, monkeypatch):
     model = _model(kind, torch.float32)
     mixer = _mixer(model)
     doc_ids = layout_ids(rows, S)
-    x, weights = _inputs(model, doc_ids, torch.float32)
+    x, weights = inputs(model, doc_ids, torch.float32)
     params = [p for p in mixer.parameters() if p.requires_grad]
     ref = x.clone().requires_grad_()
-    alone = _alone(mixer, ref, doc_ids, recurrent=False)
+    alone = each_alone(mixer, ref, doc_ids)
     loss = sum((o[0] * weights[b, a:e]).sum() for (b, a, e), o in alone.items())
     want = torch.autograd.grad(loss, [ref, *params])
 
@@ -202,17 +163,17 @@ def _through_adapt(kind, rows, monkeypatch):
         with torch.no_grad():
             mixer(x, doc_ids=doc_ids, attention_mask=None)  # the class's self-check runs once
         assert ssm.MAMBA.one_pass.verified[type(mixer)]
-        calls = _count(monkeypatch)
+        calls = count(monkeypatch, ssm.MAMBA)
         packed = x.clone().requires_grad_()
         out = mixer(packed, doc_ids=doc_ids, attention_mask=None)
         got = torch.autograd.grad((out * weights).sum(), [packed, *params])
     finally:
         fm.restore(model)
     for (b, a, e), o in alone.items():
-        _close(out[b, a:e], o[0], 1e-5)
+        close(out[b, a:e], o[0], 1e-5)
     assert not out[doc_ids < 0].any()
     for g, w in zip(got, want, strict=True):
-        _close(g, w, 1e-5)
+        close(g, w, 1e-5)
     return calls
 
 
@@ -237,7 +198,7 @@ def test_float64_rows_and_a_padding_mask_keep_the_per_group_calls(monkeypatch):
     model = _model("jamba", torch.float64)
     mixer = _mixer(model)
     doc_ids = layout_ids(LAYOUTS["mixed"], S)
-    x, _ = _inputs(model, doc_ids, torch.float64)
+    x, _ = inputs(model, doc_ids, torch.float64)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     assert ssm.MAMBA.one_pass(mixer, None, x, plan, {}) is None
     assert (
@@ -245,14 +206,14 @@ def test_float64_rows_and_a_padding_mask_keep_the_per_group_calls(monkeypatch):
     )
     fm.adapt(model)
     try:
-        calls = _count(monkeypatch)
+        calls = count(monkeypatch, ssm.MAMBA)
         with torch.no_grad():
             out = mixer(x, doc_ids=doc_ids, attention_mask=None)
     finally:
         fm.restore(model)
     assert calls["one_pass"] == 0 and calls["split"] > 0
     with torch.no_grad():
-        for (b, a, e), o in _alone(mixer, x, doc_ids, recurrent=False).items():
+        for (b, a, e), o in each_alone(mixer, x, doc_ids).items():
             torch.testing.assert_close(out[b, a:e], o[0], rtol=0, atol=1e-10)
 
 
@@ -269,7 +230,7 @@ def test_a_mixer_built_otherwise_fails_closed():
 
     mixer.__class__ = Doubled
     doc_ids = layout_ids(LAYOUTS["mixed"], S)
-    x, _ = _inputs(model, doc_ids, torch.float32)
+    x, _ = inputs(model, doc_ids, torch.float32)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     own = Doubled.forward.__get__(mixer)
     assert ssm.MAMBA.one_pass(mixer, own, x, plan, {}) is None
@@ -305,10 +266,10 @@ def _property_mixer():
 def test_property_random_layouts_float64(case):
     doc_ids, chunk = case
     model, mixer = _property_mixer()
-    x, _ = _inputs(model, doc_ids, torch.float64)
+    x, _ = inputs(model, doc_ids, torch.float64)
     with torch.no_grad():
         out = ssm.mamba_one_pass(mixer, x, DocumentPlan.from_doc_ids(doc_ids), chunk=chunk)
-        alone = _alone(mixer, x, doc_ids, recurrent=True)
+        alone = each_alone(mixer, x, doc_ids, **REFERENCE)
     for (b, a, e), o in alone.items():
         torch.testing.assert_close(out[b, a:e], o[0], rtol=0, atol=1e-10)
     assert not out[doc_ids < 0].any()
