@@ -34,8 +34,15 @@ def _torchrun(tmp_path: Path, name: str, nproc: int, **env: str) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
            str(nproc), str(path)]  # fmt: skip
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    if run.returncode != 0 and _TEARDOWN_ABORT in run.stderr:
+        # gloo's threads can abort a rank as its process group is torn down, after the script
+        # has done its work (seen once, in a clean-clone CI run on a loaded machine): run it again
+        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return run.stdout
+
+
+_TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def test_torchrun_script_trains_on_two_gloo_ranks(tmp_path) -> None:
