@@ -55,13 +55,24 @@ def tiny(kind: str = "llama", seed: int = 0):
                 sliding_window=3, layer_types=["sliding_attention", "full_attention"],
             )
         )  # fmt: skip
+    if kind in HYBRIDS:  # recurrent / conv mixers beside attention
+        from flexpack.integrations._tiny import tiny_config
+
+        config = tiny_config(getattr(transformers, HYBRIDS[kind])())
+        config.vocab_size, config.pad_token_id, config.eos_token_id = V + 3, PAD, EOS
+        return transformers.AutoModelForCausalLM.from_config(config)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+
+
+# short convs (LFM2), gated delta rule + conv (Qwen3.5), Mamba2 + conv (Bamba; Nemotron-H,
+# Falcon-H1 and Granite 4 share the room)
+HYBRIDS = {"lfm2": "Lfm2Config", "qwen3_5": "Qwen3_5TextConfig", "bamba": "BambaConfig"}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    for kind in ("llama", "mistral", "gpt_oss"):
+    for kind in ("llama", "mistral", "gpt_oss", *HYBRIDS):
         tiny(kind).save_pretrained(path / kind)
     return path
 
@@ -285,6 +296,53 @@ def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path, over):
     assert ours.model.config._attn_implementation == "sdpa"  # restored after train()
 
 
+@pytest.mark.parametrize("kind", sorted(HYBRIDS))
+def test_grpo_on_hybrids_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path, kind):
+    """Recurrent and conv mixers on prefix trees: each completion's state starts from the end
+    of its shared prompt's (a forked state, or the prompt's scan run again per branch). 2 steps
+    (a reference model, 2 iterations, accumulation 2): losses and weights equal TRL's own
+    trainer, every log-prob forward a tree (no fallback)."""
+    runs = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, kind=kind)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer)
+    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
+    assert len(got) == len(want) == 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0, msg=k)
+    assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
+    assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
+
+
+def test_hybrid_per_token_logps_equal_trls_on_trees(model_dir, tokenizer, tmp_path):
+    """Qwen3.5, groups of 3, 2 and 1 rows sharing a prompt, an empty completion: TRL's padded
+    log-probs and entropies from one tree forward."""
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind="qwen3_5")
+    ids, mask, C = rl_batch()
+    with torch.no_grad():
+        (lp, ent, _), (want_lp, want_ent, _) = seam_pair(trainer, trainer.model, ids, mask, C)
+    torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
+    assert trainer.flexpack_stats.calls == 1 and trainer.flexpack_stats.fallbacks == 0
+
+
+def test_a_mixer_without_a_tree_form_falls_back_to_trl(model_dir, tokenizer, tmp_path, monkeypatch):
+    """A mixer whose one pass declines (here: forced) refuses the tree by name; the trainer
+    takes TRL's padded path for that call, with a warning, and returns TRL's numbers."""
+    from flexpack.mixers import conv
+
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind="lfm2")
+    monkeypatch.setattr(conv.SHORT_CONV.one_pass, "fn", lambda *a: None)
+    ids, mask, C = rl_batch()
+    with pytest.warns(UserWarning, match="Lfm2ShortConv"), torch.no_grad():
+        (lp, _, _), (want, _, _) = seam_pair(trainer, trainer.model, ids, mask, C)
+    assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
+
+
 def test_moe_with_router_aux_loss_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path):
     """gpt-oss, TRL's defaults (router load-balancing loss on): GRPO (2 steps, a reference
     model, 2 iterations, accumulation 2) and DPO (2 steps) run every log-prob forward as trees
@@ -409,10 +467,10 @@ def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path, precompute):
 
 
 def test_dpo_on_a_hybrid_logs_trls_metrics(tokenizer, tmp_path):
-    """LFM2 (short convs) takes TRL's padded path with a warning. The policy ran on flexpack
-    attention and the reference on its own: at step 0 their log-probs differed by rounding, so
-    rewards/accuracies logged 0.33 where TRL logs 0.0 (its rewards tie at exactly 0). Both run
-    flexpack's now: every logged metric equals TRL's."""
+    """LFM2 (short convs) on trees: each answer's conv window starts from its prompt's last
+    tokens. The policy and the reference both run flexpack's attention (once the reference ran
+    its own: at step 0 the two differed by rounding, so rewards/accuracies logged 0.33 where
+    TRL logs 0.0, its rewards tying at exactly 0): every logged metric equals TRL's."""
     from flexpack.integrations._tiny import tiny_config
 
     def lfm2():
@@ -434,7 +492,7 @@ def test_dpo_on_a_hybrid_logs_trls_metrics(tokenizer, tmp_path):
             warnings.simplefilter("ignore")
             trainer.train()
         logs[name] = [h for h in trainer.state.log_history if "loss" in h]
-    assert trainer.flexpack_stats.fallbacks > 0  # the hybrid took TRL's path
+    assert trainer.flexpack_stats.fallbacks == 0 and trainer.flexpack_stats.calls > 0
     assert logs["trl"][0]["rewards/accuracies"] == 0.0  # rewards tie at 0 at step 0
     for a, b in zip(logs["flexpack"], logs["trl"], strict=True):
         assert a["rewards/accuracies"] == b["rewards/accuracies"]

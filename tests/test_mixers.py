@@ -473,22 +473,11 @@ def test_packed_rows_with_a_cache_warn_and_stay_exact():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
-def test_trl_trees_take_trls_own_path_on_hybrid_models():
-    """A prefix tree cannot branch a recurrent state: the trainers take TRL's padded path, with
-    their fallback warning, and a tree mask reaching a mixer is refused by name."""
-    from types import SimpleNamespace
-
-    from flexpack.integrations import trl
-
+def test_a_mask_other_than_a_tree_reaching_a_mixer_is_refused_by_name():
+    """A recurrent state follows document rows and prefix trees (tests/test_mixers_trees.py);
+    any other flexpack_mask (a custom mask) is refused, naming the mixer and the mask."""
     model = _model("short_conv")
-    seen = []
-    fake = SimpleNamespace(
-        _trl_per_token_logps=lambda *a, **k: "trl's own",
-        _flexpack_fallback=seen.append,
-    )
     ids = torch.randint(3, 64, (2, 6))
-    got = trl._per_token_logps_and_entropies(fake, model, ids, torch.ones_like(ids), 3)
-    assert got == "trl's own" and "recurrent or convolutional" in seen[0]
     fm.adapt(model)
-    with pytest.raises(ValueError, match="cannot follow a flexpack_mask"):
+    with pytest.raises(fm.TreeRefused, match="Lfm2ShortConv .* cannot follow a flexpack_mask"):
         model(input_ids=ids, flexpack_mask=object(), use_cache=False)

@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack import mixers
+from flexpack.mixers import TreeRefused
 from flexpack.trees import PaddedTrees, RolloutLogps, pack_padded, rollout_logps
 
 # The trainers subclass trl's, so they are made when first looked up (module __getattr__).
@@ -211,6 +213,13 @@ def _run_trees(model: Any, request: _TreeRequest) -> dict[str, Tensor | None]:
     # A Mask, not a BlockMask: flexpack.attention builds its BlockMask once per forward on the
     # flex path, padded to a bucket length, so batches of new lengths do not recompile.
     mask = batch.mask()
+    # Recurrent / conv mixers read the tree from the call's sources (their layers are not
+    # handed flexpack_mask): the model's own call carried flexpack_trees only.
+    try:
+        mixers.adapt(model)
+    except ValueError as e:  # a mixer flexpack refuses: TRL's padded path runs it as it is
+        raise TreeRefused(str(e)) from e
+    mixers.set_sources(model, flexpack_mask=mask, position_ids=batch.position_ids)
     extra = {"output_router_logits": True} if request.router_aux_loss else {}
     with _attn_implementation(model, register()):
         out = model.base_model(
@@ -630,9 +639,6 @@ def _per_token_logps_and_entropies(
     if any(v is not None for v in multimodal.values()):
         self._flexpack_fallback("multimodal inputs (images) are not packed as trees")
         return fallback()
-    if _recurrent(model):
-        self._flexpack_fallback(_RECURRENT)
-        return fallback()
     C = int(logits_to_keep)
     B = input_ids.shape[0]
     step = batch_size or B  # TRL's chunking of the no-grad passes, to bound their peak
@@ -649,17 +655,21 @@ def _per_token_logps_and_entropies(
         if compute_aux_loss and not _every_row_a_rollout(trees):
             self._flexpack_fallback(_EMPTY_ROWS_AUX)
             return fallback()
+        try:
+            with self.accelerator.autocast():
+                r = tree_logps(
+                    model,
+                    trees,
+                    temperature=self.temperature,
+                    entropy=compute_entropy,
+                    cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
+                    backend=self.flexpack_backend,
+                    router_aux_loss=compute_aux_loss,
+                )
+        except TreeRefused as e:  # a mixer whose state cannot branch here
+            self._flexpack_fallback(str(e))
+            return fallback()
         self._flexpack_count(trees, tuple(ids.shape))
-        with self.accelerator.autocast():
-            r = tree_logps(
-                model,
-                trees,
-                temperature=self.temperature,
-                entropy=compute_entropy,
-                cast_lm_head_to_fp32=bool(getattr(self.args, "cast_lm_head_to_fp32", False)),
-                backend=self.flexpack_backend,
-                router_aux_loss=compute_aux_loss,
-            )
         logps.append(trees.scatter(r.logps))
         if compute_entropy:
             entropies.append(trees.scatter(r.entropies))
@@ -732,20 +742,6 @@ class _FusedOutput:
     loss: Tensor | None = None
 
 
-_RECURRENT = (
-    "the model has recurrent or convolutional token mixers (flexpack.mixers), whose state "
-    "cannot branch along a prefix tree"
-)
-
-
-def _recurrent(model: Any) -> bool:
-    """True for a model with linear-attention / SSM / conv mixers: TRL's own path (its padded
-    rows keep each sample's state to itself; flexpack.mixers drops the padding)."""
-    from flexpack.mixers import mixers_of
-
-    return bool(mixers_of(_inner(getattr(model, "module", model))))
-
-
 class _TreeCaller:
     """Stands for the model in DPO's forward: ``model(input_ids=..., labels=..., fused_lm_head=
     True)`` answered from one tree forward, in TRL's layout (position t - 1 scores token t)."""
@@ -763,9 +759,6 @@ class _TreeCaller:
         if args or not kwargs.get("fused_lm_head") or others:
             self.trainer._flexpack_fallback(f"DPO passed inputs flexpack does not pack ({others})")
             return self.model(*args, **kwargs)
-        if _recurrent(self.model):
-            self.trainer._flexpack_fallback(_RECURRENT)
-            return self.model(*args, **kwargs)
         input_ids, attention_mask, labels = (
             kwargs[k] for k in ("input_ids", "attention_mask", "labels")
         )
@@ -780,12 +773,15 @@ class _TreeCaller:
         if aux and not _every_row_a_rollout(trees):
             self.trainer._flexpack_fallback(_EMPTY_ROWS_AUX)
             return self.model(*args, **kwargs)
+        try:
+            r = tree_logps(
+                self.model, trees, entropy=self.extras, mean_logits=self.extras,
+                is_top1=self.extras, backend=self.trainer.flexpack_backend, router_aux_loss=aux,
+            )  # fmt: skip
+        except TreeRefused as e:  # a mixer whose state cannot branch here
+            self.trainer._flexpack_fallback(str(e))
+            return self.model(*args, **kwargs)
         self.trainer._flexpack_count(trees, tuple(input_ids.shape))
-        r = tree_logps(
-            self.model, trees, entropy=self.extras,
-            mean_logits=self.extras, is_top1=self.extras, backend=self.trainer.flexpack_backend,
-            router_aux_loss=aux,
-        )  # fmt: skip
         B, S = input_ids.shape
         C = trees.completion_mask.shape[1]
         # Completion token j of row b sits at column starts[b] + j; TRL scores it at column - 1.

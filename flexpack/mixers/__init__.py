@@ -49,17 +49,20 @@ from flexpack._tensor_cache import all_match, on_clear, stamps
 from flexpack.mixers import conv, delta, linear, ssm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, uses_kernels
+from flexpack.mixers._tree import TreePlan
 
 __all__ = [
     "ROOMS",
     "DocumentPlan",
     "Room",
+    "TreeRefused",
     "adapt",
     "adapt_caller",
     "call_sources",
     "is_adapted",
     "mixers_of",
     "restore",
+    "set_sources",
     "uses_kernels",
 ]
 
@@ -97,6 +100,7 @@ class _Call:
         self.plan_key: tuple | None = None
         self.stamped: tuple | None = None
         self.plans: dict[float, DocumentPlan] = {}  # by the room's pad factor
+        self.tree: tuple[Any, TreePlan] | None = None  # the latest tree mask and its plan
 
     def remember(self, layer_input: Tensor) -> None:
         """A checkpointed layer starts its forward on ``layer_input`` with this call's sources."""
@@ -120,6 +124,16 @@ class _Call:
                         return hit[1]
             frame = frame.f_back
         return self.sources
+
+    def tree_plan_for(self, mask: Any) -> TreePlan:
+        """The :class:`TreePlan` of a tree mask's rows, built once per mask (every layer of a
+        forward shares the mask object)."""
+        held = self.tree
+        if held is not None and held[0] is mask:
+            return held[1]
+        plan = TreePlan.from_ends(mask.doc_ids, mask._tree_ends)
+        self.tree = (mask, plan)  # masks take no weak reference (slots); the next one replaces
+        return plan
 
     def plan_for(
         self, B: int, S: int, kwargs: dict[str, Any], device, pad_factor: float
@@ -211,9 +225,17 @@ class _Adapted:
             sources = dict(kwargs)
             if args and signature is not None:
                 try:
-                    sources = dict(signature.bind_partial(*args, **kwargs).arguments)
+                    bound = signature.bind_partial(*args, **kwargs).arguments
                 except TypeError:
                     pass
+                else:  # the keywords a **kwargs parameter took, beside the named ones
+                    sources = {}
+                    for name, value in bound.items():
+                        kind = signature.parameters[name].kind
+                        if kind is inspect.Parameter.VAR_KEYWORD:
+                            sources.update(value)
+                        else:
+                            sources[name] = value
             self.call.sources = {k: sources.get(k) for k in _SOURCES}
 
         return capture
@@ -233,6 +255,7 @@ def _clear_plans() -> None:
         state.call.plans = {}
         state.call.sources = {}
         state.call.ids = None
+        state.call.tree = None
 
 
 on_clear(_clear_plans)
@@ -279,6 +302,17 @@ def call_sources(module: torch.nn.Module) -> dict[str, Any] | None:
     """
     call = _owners.get(module)
     return None if call is None else call.current()
+
+
+def set_sources(module: torch.nn.Module, **sources: Any) -> None:
+    """Set the document sources (keys of ``doc_ids``, ``seq_idx``, ``position_ids``,
+    ``attention_mask``, ``flexpack_mask``; the others None) of the current call of the
+    :func:`adapt`-ed model ``module`` belongs to, for a forward whose own arguments do not carry
+    them (a prefix-tree forward: the backbone called with ``flexpack_mask`` inside the model's
+    forward). Nothing for a module of no adapted model."""
+    call = _owners.get(module)
+    if call is not None:
+        call.sources = {k: sources.get(k) for k in _SOURCES}
 
 
 def is_adapted(module: torch.nn.Module) -> bool:
@@ -399,9 +433,10 @@ def adapt_caller(config: Any) -> torch.nn.Module | None:
         frame = frame.f_back
     if model is None:
         return None
+    fresh = model not in _models  # adapted before: its pre-hooks recorded this call's sources
     adapt(model)
     state = _models.get(model)
-    if state is not None and frame_locals is not None:
+    if fresh and state is not None and frame_locals is not None:
         found = dict(frame_locals.get("kwargs") or {})
         found.update({k: v for k, v in frame_locals.items() if k != "kwargs"})
         state.call.sources = {k: found.get(k) for k in _SOURCES}
@@ -433,6 +468,13 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
         x = bound.pop(first)
     B, S = x.shape[:2]
     cache = bound.get(cache_name) if cache_name else None
+    mask = bound.get("flexpack_mask")
+    if mask is None:
+        mask = call.current().get("flexpack_mask")
+    if mask is not None:  # prefix trees (whole rows, never decoding: a cache gets nothing)
+        if cache_name:
+            bound[cache_name] = None
+        return _tree_forward(module, own, room, call, mask, x, bound)
     if cache is not None:
         if S == 1 or call.plan_for(B, S, bound, x.device, room.pad_factor).one_per_row:
             # decoding, or prompts: no row holds two documents (a count of documents against
@@ -446,12 +488,6 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             stacklevel=3,
         )
         bound[cache_name] = None
-    if bound.get("flexpack_mask") is not None or call.current().get("flexpack_mask") is not None:
-        raise ValueError(
-            f"{type(module).__name__} keeps a recurrent / convolutional state along the row, "
-            "which cannot follow a flexpack_mask (a prefix tree or a custom mask); run this "
-            "model on document rows (doc_ids / position_ids), e.g. TRL's own trainers' path."
-        )
     plan = call.plan_for(B, S, bound, x.device, room.pad_factor)
     if plan.single:
         return own(x, **{k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS})
@@ -484,6 +520,45 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
     if room.all_outputs:  # q, k, v: every output is per token
         return tuple(plan.merge([o[i] for o in outs]) for i in range(len(outs[0])))
     return (plan.merge([o[0] for o in outs]), *([None] * (len(outs[0]) - 1)))
+
+
+class TreeRefused(ValueError):
+    """A mixer cannot run the prefix-tree rows it was given (a custom mask, a class without a
+    one-pass form, a call keyword the one pass leaves out): the RL trainers fall back to TRL's
+    padded path on it."""
+
+
+def _tree_forward(module, own, room: Room, call: _Call, mask, x: Tensor, bound: dict) -> Any:
+    """The mixer over tree rows (``mask``: a tree ``flexpack_mask``): the room's one pass with a
+    :class:`~flexpack.mixers._tree.TreePlan`, the state at the end of each shared segment
+    seeding every branch below it."""
+    name = type(module).__name__
+    ends = getattr(mask, "_tree_ends", None)
+    if getattr(mask, "kind", None) != "tree" or ends is None:
+        raise TreeRefused(
+            f"{name} keeps a recurrent / convolutional state along the row, which cannot follow "
+            f"a flexpack_mask of kind {getattr(mask, 'kind', type(mask).__name__)!r} (only a "
+            "prefix tree's, flexpack.pack_trees); run this model on document rows (doc_ids / "
+            "position_ids)."
+        )
+    if tuple(mask.doc_ids.shape) != tuple(x.shape[:2]):
+        raise TreeRefused(
+            f"{name} got rows of shape {tuple(x.shape[:2])} but the tree flexpack_mask "
+            f"describes {tuple(mask.doc_ids.shape)}; pass the mask of these rows."
+        )
+    rest = {k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS}
+    if "attention_mask" in rest:
+        rest["attention_mask"] = None  # padding is left out of the segments
+    out = None
+    if room.one_pass is not None:
+        out = room.one_pass(module, own, x, call.tree_plan_for(mask), rest)
+    if out is None:
+        raise TreeRefused(
+            f"{name} ({room.name}) has no one-pass form here (its structure, its dtype or a "
+            "keyword of the call), so its state cannot branch along a prefix tree; run this "
+            "model on document rows (doc_ids / position_ids), e.g. TRL's own trainers' path."
+        )
+    return out
 
 
 def _take(kwargs: dict[str, Any], plan: DocumentPlan, group: int | None) -> dict[str, Any]:

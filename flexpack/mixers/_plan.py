@@ -16,7 +16,9 @@ flattened rows instead.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -161,6 +163,16 @@ class DocumentPlan:
     @functools.cached_property
     def _taps(self) -> dict[int, Tensor]:
         return {}
+
+    def tap_index(self, kernel: int) -> None:
+        """None: tap j of token t is token t - j of its row (a tree's is elsewhere:
+        :meth:`flexpack.mixers._tree.TreePlan.tap_index`)."""
+        return None
+
+    def scan(self, fn: Callable[..., Tensor], *tensors: Tensor, **kwargs: Any) -> Tensor:
+        """``fn(*tensors, segments, **kwargs)``: a segment-aware scan over the rows, ``segments``
+        (B, S) a value per document (and padding run)."""
+        return fn(*tensors, self.seq_idx.view(self.B, self.S), **kwargs)
 
     def taps(self, kernel: int) -> Tensor:
         """(kernel, B, S) bool: ``[j, b, t]`` is True where token t of row b is a document's and

@@ -26,6 +26,7 @@ from torch import Tensor
 from flexpack.mixers import _one_pass, delta, ssm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
+from flexpack.mixers._tree import TreePlan
 
 
 def _cca(module: torch.nn.Module) -> bool:
@@ -60,15 +61,21 @@ def _depthwise(module: torch.nn.Module) -> torch.nn.Conv1d | None:
     return conv
 
 
-def _masked_conv(conv: torch.nn.Conv1d, u: Tensor, taps: Tensor) -> Tensor:
+def _masked_conv(conv: torch.nn.Conv1d, u: Tensor, plan: DocumentPlan | TreePlan) -> Tensor:
     """``conv`` over ``u`` (B, C, S) as ``causal_conv1d_fn`` computes it, with each tap that
-    ``taps`` (K, B, S) bool marks False left out: sum over j of u[t - j] * w[K - 1 - j]."""
+    ``plan.taps`` (K, B, S) bool marks False left out: sum over j of u[t - j] * w[K - 1 - j];
+    on tree rows u[t - j] is t's j-th predecessor on its path (``plan.tap_index``)."""
     weight = conv.weight[:, 0]  # (C, K)
     K, S = weight.shape[-1], u.shape[-1]
+    taps = plan.taps(K)
+    index = plan.tap_index(K)
     v = u.to(weight.dtype)  # as causal_conv1d_fn: the weights' dtype, back to u's at the end
     y = v * weight[:, K - 1, None] * taps[0, :, None].to(v.dtype)
     for j in range(1, min(K, S)):
-        shifted = torch.nn.functional.pad(v[..., : S - j], (j, 0))  # (B, C, S): u[t - j]
+        if index is None:
+            shifted = torch.nn.functional.pad(v[..., : S - j], (j, 0))  # (B, C, S): u[t - j]
+        else:
+            shifted = v.gather(-1, index[j][:, None, :].expand_as(v))
         y = y + shifted * weight[:, K - 1 - j, None] * taps[j, :, None].to(v.dtype)
     if conv.bias is not None:
         y = y + conv.bias[:, None]
@@ -93,7 +100,7 @@ def short_conv_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) 
     conv = module.conv
     projected = module.in_proj(x).transpose(-1, -2)  # (B, 3H, S)
     b, c, h = projected.chunk(3, dim=-2)
-    y = c * _masked_conv(conv, b * h, plan.taps(conv.kernel_size[0]))  # (B, H, S)
+    y = c * _masked_conv(conv, b * h, plan)  # (B, H, S)
     out = module.out_proj(y.transpose(-1, -2).contiguous())  # (B, S, H)
     return out * plan.real[..., None].to(out.dtype)
 

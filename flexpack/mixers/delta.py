@@ -197,8 +197,7 @@ def gated_delta_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan)
 
     B, S, _ = x.shape
     conv = module.conv1d
-    taps = plan.taps(conv.kernel_size[0])
-    mixed = _masked_conv(conv, module.in_proj_qkv(x).transpose(1, 2), taps)
+    mixed = _masked_conv(conv, module.in_proj_qkv(x).transpose(1, 2), plan)
     mixed = ACT2FN[module.activation](mixed).transpose(1, 2)  # (B, S, conv channels)
     q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(B, S, -1, module.head_k_dim)
@@ -207,7 +206,7 @@ def gated_delta_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan)
     z = module.in_proj_z(x).reshape(B, S, -1, module.head_v_dim)
     beta = module.in_proj_b(x).sigmoid()
     g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(x).float() + module.dt_bias)
-    core = segment_chunk_gated_delta_rule(q, k, v, g, beta, plan.seq_idx.view(B, S))
+    core = plan.scan(segment_chunk_gated_delta_rule, q, k, v, g, beta)
     core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     out = module.out_proj(core.reshape(B, S, -1))
     return out * plan.real[..., None].to(out.dtype)
@@ -404,12 +403,12 @@ def kda_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tens
     heads = (B, S, -1, module.head_dim)
     conv = module.conv1d
     mixed = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
-    mixed = _masked_conv(conv, mixed.transpose(1, 2), plan.taps(conv.kernel_size[0]))
+    mixed = _masked_conv(conv, mixed.transpose(1, 2), plan)
     mixed = ACT2FN[module.activation](mixed).transpose(1, 2)  # (B, S, 3 * qkv_dim)
     q, k, v = (t.reshape(heads) for t in torch.split(mixed, [module.qkv_dim] * 3, dim=-1))
     g = module.forget_gate(x)  # (B, S, heads, head_dim) per-channel log decays
     beta = module.b_proj(x).sigmoid()
-    core = segment_chunk_kda(q, k, v, g, beta, plan.seq_idx.view(B, S))
+    core = plan.scan(segment_chunk_kda, q, k, v, g, beta)
     core = module.o_norm(core, _kda_gate(module, x).view(heads)).reshape(B, S, -1)
     out = module.o_proj(core)
     return out * plan.real[..., None].to(out.dtype)

@@ -197,7 +197,7 @@ def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> T
         projected = projected * mup
     gate, xBC, dt = projected.split([inner, module.conv_dim, heads], dim=-1)
     conv = module.conv1d
-    xBC = _masked_conv(conv, xBC.transpose(1, 2), plan.taps(conv.kernel_size[0]))  # (B, D, S)
+    xBC = _masked_conv(conv, xBC.transpose(1, 2), plan)  # (B, D, S)
     xBC = module.act(xBC).transpose(1, 2)
     h, B, C = xBC.split([inner, groups * n, groups * n], dim=-1)
 
@@ -210,7 +210,8 @@ def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> T
         for t in (B, C)
     )  # (B, S, h, n)
     A = -torch.exp(module.A_log.to(work))
-    y = _ssd_scan(h, dt, A, B, C, plan.seq_idx.view(batch, S), module.chunk_size)
+    chunk = module.chunk_size
+    y = plan.scan(lambda h, dt, B, C, seg: _ssd_scan(h, dt, A, B, C, seg, chunk), h, dt, B, C)
     y = (y + module.D[..., None] * h).reshape(batch, S, inner)
 
     if getattr(module, "mamba_rms_norm", True):  # Falcon-H1 may gate without a norm
@@ -395,11 +396,11 @@ def mamba_one_pass(
     """
     from flexpack.mixers.conv import _masked_conv  # conv.py imports this module
 
-    dtype, (batch, S, _) = x.dtype, x.shape
+    dtype = x.dtype
     n, rank = module.ssm_state_size, module.time_step_rank
     h, gate = module.in_proj(x).chunk(2, dim=-1)  # (B, S, I) each
     conv = module.conv1d
-    h = _masked_conv(conv, h.transpose(1, 2), plan.taps(conv.kernel_size[0]))  # (B, I, S)
+    h = _masked_conv(conv, h.transpose(1, 2), plan)  # (B, I, S)
     h = module.act(h).transpose(1, 2)  # (B, S, I)
     dt, B, C = module.x_proj(h).split([rank, n, n], dim=-1)  # (B, S, r), (B, S, n) twice
     if getattr(module, "dt_layernorm", None) is not None:  # Jamba, Falcon-Mamba
@@ -411,11 +412,13 @@ def mamba_one_pass(
     work = torch.promote_types(dtype, torch.float32)
     dt = F.softplus(dt).to(work)
     A = -torch.exp(module.A_log.to(work))  # (I, n)
-    segment = plan.seq_idx.view(batch, S)
-    start = torch.ones_like(segment, dtype=torch.bool)
-    start[:, 1:] = segment[:, 1:] != segment[:, :-1]
-    y = _selective_scan(h.to(work), dt, A, B.to(work), C.to(work), start,
-                        chunk or _selective_chunk(S))  # fmt: skip
+
+    def scan(h: Tensor, dt: Tensor, B: Tensor, C: Tensor, segment: Tensor) -> Tensor:
+        start = torch.ones_like(segment, dtype=torch.bool)
+        start[:, 1:] = segment[:, 1:] != segment[:, :-1]
+        return _selective_scan(h, dt, A, B, C, start, chunk or _selective_chunk(h.shape[1]))
+
+    y = plan.scan(scan, h.to(work), dt, B.to(work), C.to(work))
     # the module's scan output is in the rows' dtype (bf16 rows: rounded), its D skip and gate
     # promote it back to float32
     y = (y.to(dtype) + h * module.D.to(work)) * F.silu(gate)
