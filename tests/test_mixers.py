@@ -479,5 +479,5 @@ def test_a_mask_other_than_a_tree_reaching_a_mixer_is_refused_by_name():
     model = _model("short_conv")
     ids = torch.randint(3, 64, (2, 6))
     fm.adapt(model)
-    with pytest.raises(fm.TreeRefused, match="Lfm2ShortConv .* cannot follow a flexpack_mask"):
+    with pytest.raises(fm.TreeRefused, match=r"Lfm2ShortConv .* cannot follow a flexpack_mask"):
         model(input_ids=ids, flexpack_mask=object(), use_cache=False)

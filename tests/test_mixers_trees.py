@@ -148,13 +148,20 @@ def _scans():
     H, D = 2, 4
     A = -torch.rand(H, dtype=torch.float64) - 0.5
     A1 = -torch.rand(3, D, dtype=torch.float64) - 0.5
+
+    def gated_delta(q, k, v, g, b, seg):
+        return delta.segment_chunk_gated_delta_rule(
+            q, k, v, -g.abs(), b.sigmoid(), seg, chunk_size=8
+        )
+
+    def forked(q, k, v, g, b, plan):  # its tree form: the state forked, not recomputed
+        forked.calls += 1
+        return delta.tree_chunk_gated_delta_rule(q, k, v, -g.abs(), b.sigmoid(), plan, chunk_size=8)
+
+    forked.calls = 0
+    gated_delta.tree = forked
     return {
-        "gated_delta_rule": (
-            lambda q, k, v, g, b, seg: delta.segment_chunk_gated_delta_rule(
-                q, k, v, -g.abs(), b.sigmoid(), seg, chunk_size=8
-            ),
-            [(H, D), (H, D), (H, D), (H,), (H,)],
-        ),
+        "gated_delta_rule": (gated_delta, [(H, D), (H, D), (H, D), (H,), (H,)]),
         "kda": (
             lambda q, k, v, g, b, seg: delta.segment_chunk_kda(
                 q, k, v, -g.abs(), b.sigmoid(), seg, chunk_size=8
@@ -182,8 +189,9 @@ def _starts(seg: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scan", ["gated_delta_rule", "kda", "mamba", "mamba2"])
 def test_tree_scans_equal_each_path_alone_float64(scan, forest):
     """float64, 1e-10: every scan over tree rows (``TreePlan.scan``) gives each token what its
-    root-to-leaf path alone gives, outputs and gradients: the state at the end of a shared
-    segment seeds each branch below it."""
+    root-to-leaf path alone gives, outputs and gradients: the gated delta rule forks the state
+    at the end of a shared segment into each branch (chunks of 8: segments cross chunks), the
+    others run each path."""
     fn, shapes = _scans()[scan]
     seg, parents, paths = _layout(FORESTS[forest])
     B = seg.shape[0]
@@ -213,6 +221,8 @@ def test_tree_scans_equal_each_path_alone_float64(scan, forest):
     _close(got[real], want[real], 1e-10)
     for a, t in zip(mine, leaves, strict=True):
         _close(a, t.grad, 1e-10)
+    if hasattr(fn, "tree"):
+        assert fn.tree.calls == 1  # the forked form ran, not the paths
 
 
 def test_tree_rows_under_bf16_autocast_keep_the_plain_modules_dtype():

@@ -68,6 +68,8 @@ class TreePlan:
         S_paths = S
         pick = torch.full((B * S,), -1, dtype=torch.int64)
         longest, documents = 0, 0
+        self._spans: list[list[tuple[int, int]]] = []  # per row, each segment's [start, end)
+        self._parents = parents
         for b in range(B):
             row = seg[b]
             n = len(parents[b])
@@ -78,6 +80,7 @@ class TreePlan:
             spans = [
                 (int(positions[bounds[j]]), int(positions[bounds[j + 1] - 1]) + 1) for j in range(n)
             ]
+            self._spans.append(spans)
             has_child = [False] * n
             for j in range(n):
                 start, end = spans[j]
@@ -185,6 +188,61 @@ class TreePlan:
         """(kernel, B, S) int64: the position in its row of token t's j-th predecessor on its
         path (0 where :meth:`taps` is False)."""
         return self._taps_of(kernel)[0]
+
+    @functools.cached_property
+    def _layouts(self) -> dict[int, tuple[Tensor, Tensor, Tensor, list[list[int]]]]:
+        return {}
+
+    def chunk_layout(self, chunk: int) -> tuple[Tensor, Tensor, Tensor, list[list[int]]]:
+        """The rows laid out for a chunked scan that forks its state: every segment starts a
+        chunk of ``chunk`` tokens (its last chunk filled with zeros), so a chunk holds one
+        segment and the state entering it is one chunk's end state.
+
+        Returns:
+            index: (B, N * chunk) int64, the row position of each laid-out token, S (a zero
+                token) on the filling.
+            back: (B, S) int64, each token's laid-out position (0 on padding).
+            segment: (B, N * chunk) int64, the segment of each laid-out token (its filling
+                too), -1 in chunks past the row's segments.
+            sources: per row, per chunk, the chunk whose end state enters it: the previous one
+                inside a segment, the parent's last at a segment's start, -1 for a root (a
+                zero state) and past the row's segments.
+        """
+        found = self._layouts.get(chunk)
+        if found is not None:
+            return found
+        rows = []
+        for b in range(self.B):
+            index, segment, sources, last = [], [], [], {}
+            for j, (start, end) in enumerate(self._spans[b]):
+                parent = self._parents[b][j]
+                n = -(-(end - start) // chunk)
+                for i in range(n):
+                    if i:
+                        sources.append(len(sources) - 1)
+                    else:
+                        sources.append(last[parent] if parent >= 0 else -1)
+                    lo = start + i * chunk
+                    hi = min(lo + chunk, end)
+                    index.extend(range(lo, hi))
+                    index.extend([self.S] * (chunk - (hi - lo)))
+                    segment.extend([j] * chunk)
+                last[j] = len(sources) - 1
+            rows.append((index, segment, sources))
+        N = max(1, max(len(r[2]) for r in rows))
+        index = torch.full((self.B, N * chunk), self.S, dtype=torch.int64)
+        segment = torch.full((self.B, N * chunk), -1, dtype=torch.int64)
+        back = torch.zeros(self.B, self.S, dtype=torch.int64)
+        sources = []
+        for b, (ix, sg, src) in enumerate(rows):
+            index[b, : len(ix)] = torch.tensor(ix, dtype=torch.int64)
+            segment[b, : len(sg)] = torch.tensor(sg, dtype=torch.int64)
+            placed = index[b] < self.S
+            back[b, index[b][placed]] = placed.nonzero().flatten()
+            sources.append(src + [-1] * (N - len(src)))
+        found = (index.to(self._device), back.to(self._device), segment.to(self._device), sources)
+        self._layouts[chunk] = found
+        return found
 
     def expand(self, t: Tensor) -> Tensor:
         """(B, S, ...) -> (P, L, ...): every root-to-leaf path as a row, zeros after its end."""

@@ -25,6 +25,7 @@ from torch import Tensor
 from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
+from flexpack.mixers._tree import TreePlan
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule's default
 
@@ -67,6 +68,69 @@ def segment_chunk_gated_delta_rule(
     Returns:
         (B, S, Hv, Dv) in ``query``'s dtype.
     """
+    return _gated_delta_chunks(query, key, value, g, beta, segments, chunk_size, use_qk_l2norm)
+
+
+def tree_chunk_gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    plan: TreePlan,
+    *,
+    chunk_size: int = CHUNK,
+    use_qk_l2norm: bool = True,
+) -> Tensor:
+    """The gated delta rule over prefix-tree rows: each branch's state starts from its parent
+    segment's end state (forked, not recomputed), gradients flowing back through it.
+
+    The rows are laid out so that every segment starts a chunk (:meth:`TreePlan.chunk_layout`;
+    a segment's last chunk filled with zero keys, values, betas and log decays, which leave the
+    state as it is), and the scan hands each chunk the end state of its source chunk: the
+    previous chunk of its segment, its parent's last chunk at a branch's start.
+
+    Args:
+        query, key, value, g, beta: as :func:`segment_chunk_gated_delta_rule`, (B, S, ...).
+        plan: the rows' trees.
+        chunk_size, use_qk_l2norm: as :func:`segment_chunk_gated_delta_rule`.
+
+    Returns:
+        (B, S, Hv, Dv) in ``query``'s dtype, zeros on padding.
+    """
+    index, back, segment, sources = plan.chunk_layout(chunk_size)
+    B = query.shape[0]
+    rows = torch.arange(B, device=index.device)[:, None]
+
+    def lay(t: Tensor) -> Tensor:
+        padded = torch.cat([t, t.new_zeros(B, 1, *t.shape[2:])], dim=1)
+        return padded[rows, index]
+
+    out = _gated_delta_chunks(
+        *(lay(t) for t in (query, key, value, g, beta)), segment, chunk_size, use_qk_l2norm,
+        sources=sources,
+    )  # fmt: skip
+    out = out[rows, back]
+    return out * plan.real[..., None, None].to(out.dtype)
+
+
+segment_chunk_gated_delta_rule.tree = tree_chunk_gated_delta_rule  # type: ignore[attr-defined]
+
+
+def _gated_delta_chunks(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    segments: Tensor,
+    chunk_size: int,
+    use_qk_l2norm: bool,
+    sources: list[list[int]] | None = None,
+) -> Tensor:
+    """:func:`segment_chunk_gated_delta_rule`'s computation; with ``sources`` (per row, per
+    chunk: the chunk whose end state enters it, -1 for none), each chunk holds one segment and
+    reads the state ``sources`` names (:func:`tree_chunk_gated_delta_rule`)."""
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)  # fp32 as transformers; float64 kept
     B, S, Hk, Dk = key.shape
@@ -101,6 +165,9 @@ def segment_chunk_gated_delta_rule(
     # the segment that continues the previous chunk (none in the first chunk)
     before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
     carry = seg == before  # (B, 1, N, C)
+    if sources is not None:  # one segment per chunk: it reads a state where it has a source
+        src = torch.tensor(sources, device=g.device)
+        carry = (src >= 0)[:, None, :, None].expand(B, 1, N, C)
     into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
     ut = (k_beta @ key.transpose(-1, -2)) * pairwise
     intra = (query @ key.transpose(-1, -2)) * pairwise
@@ -113,7 +180,7 @@ def segment_chunk_gated_delta_rule(
     tail = seg == seg[..., -1:]
     key = key * ((cum[..., -1:] - cum).masked_fill(~tail, float("-inf")).exp())[..., None]
     chunk_decay = into[..., -1, None, None]  # (B, H, N, 1, 1)
-    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay)[:, :, :S]
+    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, sources)[:, :, :S]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
 
@@ -124,6 +191,7 @@ def _scan_chunks(
     new_values: Tensor,
     k_cumdecay: Tensor,
     chunk_decay: Tensor,
+    sources: list[list[int]] | None = None,
 ) -> Tensor:
     """The delta rules' scan over chunks (B, H, N, C, ...) -> outputs (B, H, N * C, Dv): the
     state carried from chunk to chunk, then each chunk's read of it and its own attention.
@@ -133,18 +201,26 @@ def _scan_chunks(
     backward), and the chunks are taken apart once (indexing chunk i in the loop would build a
     zero gradient of the whole tensor per chunk). ``key`` is decayed to its chunk's end,
     ``chunk_decay`` (B, H, N, 1 or Dk, 1) the carried state's decay across each chunk.
+    ``sources`` (per row, per chunk; host lists): the chunk whose end state enters each chunk
+    (-1: none) where it is not the previous one (prefix trees fork a state).
     """
     B, H, N, C, Dk = key.shape
-    state = query.new_zeros(B, H, Dk, new_values.shape[-1])
-    states, v_news = [], []
-    for values, k_decay, decay, k in zip(
+    zero = query.new_zeros(B, H, Dk, new_values.shape[-1])
+    state = zero
+    states, v_news, ends = [], [], []
+    for n, (values, k_decay, decay, k) in enumerate(zip(
         new_values.unbind(2), k_cumdecay.unbind(2), chunk_decay.unbind(2),
         key.transpose(-1, -2).unbind(2), strict=True,
-    ):  # fmt: skip
+    )):  # fmt: skip
+        if sources is not None and any(row[n] != n - 1 for row in sources):
+            state = torch.stack([
+                ends[row[n]][b] if row[n] >= 0 else zero[b] for b, row in enumerate(sources)
+            ])  # fmt: skip
         v_new = values - k_decay @ state
         states.append(state)
         v_news.append(v_new)
         state = state * decay + k @ v_new
+        ends.append(state)
     out = query @ torch.stack(states, dim=2) + intra @ torch.stack(v_news, dim=2)
     return out.reshape(B, H, N * C, -1)
 
