@@ -160,14 +160,19 @@ def _scans():
 
     forked.calls = 0
     gated_delta.tree = forked
+
+    def kda(q, k, v, g, b, seg):
+        return delta.segment_chunk_kda(q, k, v, -g.abs(), b.sigmoid(), seg, chunk_size=8)
+
+    def kda_forked(q, k, v, g, b, plan):
+        kda_forked.calls += 1
+        return delta.tree_chunk_kda(q, k, v, -g.abs(), b.sigmoid(), plan, chunk_size=8)
+
+    kda_forked.calls = 0
+    kda.tree = kda_forked
     return {
         "gated_delta_rule": (gated_delta, [(H, D), (H, D), (H, D), (H,), (H,)]),
-        "kda": (
-            lambda q, k, v, g, b, seg: delta.segment_chunk_kda(
-                q, k, v, -g.abs(), b.sigmoid(), seg, chunk_size=8
-            ),
-            [(H, D), (H, D), (H, D), (H, D), (H,)],
-        ),
+        "kda": (kda, [(H, D), (H, D), (H, D), (H, D), (H,)]),
         "mamba2": (
             lambda x, dt, B, C, seg: ssm._ssd_scan(x, dt.abs(), A, B, C, seg, 8),
             [(H, D), (H,), (H, D), (H, D)],
@@ -189,9 +194,9 @@ def _starts(seg: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scan", ["gated_delta_rule", "kda", "mamba", "mamba2"])
 def test_tree_scans_equal_each_path_alone_float64(scan, forest):
     """float64, 1e-10: every scan over tree rows (``TreePlan.scan``) gives each token what its
-    root-to-leaf path alone gives, outputs and gradients: the gated delta rule forks the state
-    at the end of a shared segment into each branch (chunks of 8: segments cross chunks), the
-    others run each path."""
+    root-to-leaf path alone gives, outputs and gradients: the delta rules (gated, KDA) fork
+    the state at the end of a shared segment into each branch (chunks of 8: segments cross
+    chunks), the Mamba scans run each path."""
     fn, shapes = _scans()[scan]
     seg, parents, paths = _layout(FORESTS[forest])
     B = seg.shape[0]

@@ -99,16 +99,10 @@ def tree_chunk_gated_delta_rule(
         (B, S, Hv, Dv) in ``query``'s dtype, zeros on padding.
     """
     index, back, segment, sources = plan.chunk_layout(chunk_size)
-    B = query.shape[0]
-    rows = torch.arange(B, device=index.device)[:, None]
-
-    def lay(t: Tensor) -> Tensor:
-        padded = torch.cat([t, t.new_zeros(B, 1, *t.shape[2:])], dim=1)
-        return padded[rows, index]
-
+    rows = torch.arange(query.shape[0], device=index.device)[:, None]
     out = _gated_delta_chunks(
-        *(lay(t) for t in (query, key, value, g, beta)), segment, chunk_size, use_qk_l2norm,
-        sources=sources,
+        *(_lay(t, index, rows) for t in (query, key, value, g, beta)), segment, chunk_size,
+        use_qk_l2norm, sources=sources,
     )  # fmt: skip
     out = out[rows, back]
     return out * plan.real[..., None, None].to(out.dtype)
@@ -352,6 +346,39 @@ def segment_chunk_kda(
     return out.to(query.dtype)
 
 
+def tree_chunk_kda(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    plan: TreePlan,
+    *,
+    chunk_size: int = KDA_CHUNK,
+    use_qk_l2norm: bool = True,
+) -> Tensor:
+    """Kimi delta attention over prefix-tree rows, each branch's state forked from its parent
+    segment's end state, as :func:`tree_chunk_gated_delta_rule` (arguments as
+    :func:`segment_chunk_kda`'s, ``plan`` the rows' trees). Returns (B, S, H, Dv), zeros on
+    padding."""
+    index, back, segment, sources = plan.chunk_layout(chunk_size)
+    rows = torch.arange(query.shape[0], device=index.device)[:, None]
+    laid = [_lay(t, index, rows) for t in (query, key, value, g, beta)]
+    with torch.autocast(query.device.type, enabled=False):
+        out = _chunk_kda(*laid, segment, chunk_size, use_qk_l2norm, sources=sources)
+    out = out.to(query.dtype)[rows, back]
+    return out * plan.real[..., None, None].to(out.dtype)
+
+
+segment_chunk_kda.tree = tree_chunk_kda  # type: ignore[attr-defined]
+
+
+def _lay(t: Tensor, index: Tensor, rows: Tensor) -> Tensor:
+    """(B, S, ...) -> (B, N * C, ...) in a :meth:`TreePlan.chunk_layout` (zeros on the filling)."""
+    padded = torch.cat([t, t.new_zeros(t.shape[0], 1, *t.shape[2:])], dim=1)
+    return padded[rows, index]
+
+
 def _chunk_kda(
     query: Tensor,
     key: Tensor,
@@ -361,6 +388,7 @@ def _chunk_kda(
     segments: Tensor,
     chunk_size: int,
     use_qk_l2norm: bool,
+    sources: list[list[int]] | None = None,
 ) -> Tensor:
     compute = torch.promote_types(query.dtype, torch.float32)
     B, S, H, Dk = key.shape
@@ -402,6 +430,9 @@ def _chunk_kda(
     # the segment that continues the previous chunk (none in the first chunk)
     before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
     carry = (seg == before)[..., None]  # (B, 1, N, C, 1)
+    if sources is not None:  # one segment per chunk: it reads a state where it has a source
+        src = torch.tensor(sources, device=g.device)
+        carry = (src >= 0)[:, None, :, None, None].expand(B, 1, N, C, 1)
     into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * into, upper=False, unitriangular=True)
@@ -410,7 +441,7 @@ def _chunk_kda(
     tail = (seg == seg[..., -1:])[..., None]
     key = key * (cum[..., -1:, :] - cum).masked_fill(~tail, float("-inf")).exp()
     chunk_decay = into[..., -1, :, None]  # (B, H, N, Dk, 1)
-    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay)[:, :, :S]
+    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, sources)[:, :, :S]
     return out.transpose(1, 2).contiguous()
 
 
