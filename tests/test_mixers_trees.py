@@ -170,13 +170,20 @@ def _scans():
 
     kda_forked.calls = 0
     kda.tree = kda_forked
+
+    def ssd(x, dt, B, C, seg):
+        return ssm._ssd_scan(x, dt.abs(), A, B, C, seg, 8)
+
+    def ssd_forked(x, dt, B, C, plan):
+        ssd_forked.calls += 1
+        return ssm._tree_ssd_scan(x, dt.abs(), A, B, C, plan, 8)
+
+    ssd_forked.calls = 0
+    ssd.tree = ssd_forked
     return {
         "gated_delta_rule": (gated_delta, [(H, D), (H, D), (H, D), (H,), (H,)]),
         "kda": (kda, [(H, D), (H, D), (H, D), (H, D), (H,)]),
-        "mamba2": (
-            lambda x, dt, B, C, seg: ssm._ssd_scan(x, dt.abs(), A, B, C, seg, 8),
-            [(H, D), (H,), (H, D), (H, D)],
-        ),
+        "mamba2": (ssd, [(H, D), (H,), (H, D), (H, D)]),
         "mamba": (
             lambda u, dt, B, C, seg: ssm._selective_scan(u, dt.abs(), A1, B, C, _starts(seg), 5),
             [(3,), (3,), (D,), (D,)],
@@ -194,9 +201,9 @@ def _starts(seg: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("scan", ["gated_delta_rule", "kda", "mamba", "mamba2"])
 def test_tree_scans_equal_each_path_alone_float64(scan, forest):
     """float64, 1e-10: every scan over tree rows (``TreePlan.scan``) gives each token what its
-    root-to-leaf path alone gives, outputs and gradients: the delta rules (gated, KDA) fork
-    the state at the end of a shared segment into each branch (chunks of 8: segments cross
-    chunks), the Mamba scans run each path."""
+    root-to-leaf path alone gives, outputs and gradients: the delta rules (gated, KDA) and
+    Mamba2's SSD fork the state at the end of a shared segment into each branch (chunks of 8:
+    segments cross chunks), Mamba's selective scan runs each path."""
     fn, shapes = _scans()[scan]
     seg, parents, paths = _layout(FORESTS[forest])
     B = seg.shape[0]

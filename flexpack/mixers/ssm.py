@@ -32,6 +32,7 @@ from torch import Tensor
 from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, _closure, hub_functions
+from flexpack.mixers._tree import TreePlan
 
 __all__ = ["mamba2_one_pass", "mamba_one_pass"]
 
@@ -94,8 +95,24 @@ def _segment_sum(a: Tensor, keep: Tensor) -> Tensor:
     return sums.masked_fill(~keep, -torch.inf)
 
 
+def _tree_ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, plan: TreePlan,
+                   chunk: int) -> Tensor:  # fmt: skip
+    """:func:`_ssd_scan` over prefix-tree rows, each branch's state forked from the end of its
+    parent segment: the rows laid out with every segment starting a chunk
+    (:meth:`TreePlan.chunk_layout`; the filling has no time step, so no decay and no input), a
+    chunk's entering state the end state of the chunk its ``sources`` name. Returns (B, S, h, p),
+    zeros on padding."""
+    from flexpack.mixers.delta import _lay
+
+    index, back, segment, sources = plan.chunk_layout(chunk)
+    rows = torch.arange(x.shape[0], device=index.device)[:, None]
+    laid = [_lay(t, index, rows) for t in (x, dt, B, C)]
+    y = _ssd_scan(*laid[:2], A, *laid[2:], segment, chunk, sources=sources)[rows, back]
+    return y * plan.real[..., None, None].to(y.dtype)
+
+
 def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: Tensor,
-              chunk: int) -> Tensor:  # fmt: skip
+              chunk: int, sources: list[list[int]] | None = None) -> Tensor:  # fmt: skip
     """The chunked SSD scan of ``mamba2_chunk_scan`` (without D), the state zeroed wherever
     ``segment`` changes: h_t = exp(A dt_t) h_{t-1} [same segment] + dt_t B_t x_t, y_t = C_t h_t.
 
@@ -104,6 +121,8 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: T
         B, C: (B, S, h, n) (groups repeated per head), all in the working dtype.
         segment: (B, S) int, a different value on each side of every document start.
         chunk: tokens per chunk, q.
+        sources: per row, per chunk, the chunk whose end state enters it (-1: none), each chunk
+            one segment (:func:`_tree_ssd_scan`).
 
     Returns:
         (B, S, h, p) in the working dtype.
@@ -136,18 +155,44 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: T
     # 3. chunk to chunk: a state crosses a chunk only if no document starts inside it
     # log decay from the chunk's first token of t's document through t: a per-document sum
     in_doc = torch.einsum("bctr,bhcr->bhct", same.to(a.dtype), a)  # (B, h, c, t)
-    crossing = in_doc[..., -1].masked_fill(start.any(-1)[:, None], -torch.inf)  # (B, h, c)
-    every = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril()
-    across = torch.exp(_segment_sum(F.pad(crossing, (1, 0)), every)).transpose(1, 3)
-    states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)  # (B, c + 1, h, p, n)
-    states = torch.einsum("bzch,bzhpn->bchpn", across, states)[:, :-1]  # at each chunk's start
+    if sources is None:
+        crossing = in_doc[..., -1].masked_fill(start.any(-1)[:, None], -torch.inf)  # (B, h, c)
+        every = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril()
+        across = torch.exp(_segment_sum(F.pad(crossing, (1, 0)), every)).transpose(1, 3)
+        states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)  # (B, c + 1, ...)
+        states = torch.einsum("bzch,bzhpn->bchpn", across, states)[:, :-1]  # at chunk starts
+        open_ = same[..., 0] & ~start[..., :1]  # (B, c, t)
+    else:  # trees: each chunk one segment, entering with the end state of its source chunk
+        states, open_ = _forked_states(states, in_doc[..., -1], sources)
+        open_ = open_[..., None].expand(batch, c, q)
 
     # 4. the state at a chunk's start reaches the tokens of the document open there
-    open_ = same[..., 0] & ~start[..., :1]  # (B, c, t)
     from_start = torch.exp(in_doc).masked_fill(~open_[:, None], 0)  # (B, h, c, t)
     carried = torch.einsum("bclhn,bchpn->bclhp", C, states)  # (B, c, q, h, p)
     y = y + carried * from_start.permute(0, 2, 3, 1)[..., None]
     return y.reshape(batch, c * q, heads, p)[:, :S]
+
+
+def _forked_states(local: Tensor, total: Tensor, sources: list[list[int]]) -> tuple[Tensor, Tensor]:
+    """The state entering each chunk, (B, c, h, p, n), and whether it has one, (B, c) bool:
+    a chunk's end state is its entering state decayed through it (``total`` (B, h, c), its log
+    decay) plus its own (``local`` (B, c, h, p, n)); a chunk enters with the end state of the
+    chunk ``sources`` names (-1: none, a zero state)."""
+    c = local.shape[1]
+    zero = torch.zeros_like(local[:, 0])
+    decay = total.exp().permute(0, 2, 1)[..., None, None]  # (B, c, h, 1, 1)
+    entering, ends = [], []
+    for k in range(c):
+        if all(row[k] == k - 1 for row in sources) and k:
+            state = ends[k - 1]
+        else:
+            state = torch.stack([
+                ends[row[k]][b] if row[k] >= 0 else zero[b] for b, row in enumerate(sources)
+            ])  # fmt: skip
+        entering.append(state)
+        ends.append(state * decay[:, k] + local[:, k])
+    has = torch.tensor(sources, device=local.device) >= 0
+    return torch.stack(entering, 1), has
 
 
 def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
@@ -211,7 +256,12 @@ def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> T
     )  # (B, S, h, n)
     A = -torch.exp(module.A_log.to(work))
     chunk = module.chunk_size
-    y = plan.scan(lambda h, dt, B, C, seg: _ssd_scan(h, dt, A, B, C, seg, chunk), h, dt, B, C)
+
+    def scan(h: Tensor, dt: Tensor, B: Tensor, C: Tensor, segment: Tensor) -> Tensor:
+        return _ssd_scan(h, dt, A, B, C, segment, chunk)
+
+    scan.tree = lambda h, dt, B, C, tree: _tree_ssd_scan(h, dt, A, B, C, tree, chunk)
+    y = plan.scan(scan, h, dt, B, C)
     y = (y + module.D[..., None] * h).reshape(batch, S, inner)
 
     if getattr(module, "mamba_rms_norm", True):  # Falcon-H1 may gate without a norm
