@@ -10,6 +10,7 @@ every token taken from the first path that holds it; forests with one level (GRP
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -180,14 +181,21 @@ def _scans():
 
     ssd_forked.calls = 0
     ssd.tree = ssd_forked
+
+    def selective(u, dt, B, C, seg):
+        return ssm._selective_scan(u, dt.abs(), A1, B, C, _starts(seg), 5)
+
+    def selective_forked(u, dt, B, C, plan):
+        selective_forked.calls += 1
+        return ssm._tree_selective_scan(u, dt.abs(), A1, B, C, plan, 5)
+
+    selective_forked.calls = 0
+    selective.tree = selective_forked
     return {
         "gated_delta_rule": (gated_delta, [(H, D), (H, D), (H, D), (H,), (H,)]),
         "kda": (kda, [(H, D), (H, D), (H, D), (H, D), (H,)]),
         "mamba2": (ssd, [(H, D), (H,), (H, D), (H, D)]),
-        "mamba": (
-            lambda u, dt, B, C, seg: ssm._selective_scan(u, dt.abs(), A1, B, C, _starts(seg), 5),
-            [(3,), (3,), (D,), (D,)],
-        ),
+        "mamba": (selective, [(3,), (3,), (D,), (D,)]),
     }
 
 
@@ -197,14 +205,17 @@ def _starts(seg: torch.Tensor) -> torch.Tensor:
     return start
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "paths"])
 @pytest.mark.parametrize("forest", sorted(FORESTS))
 @pytest.mark.parametrize("scan", ["gated_delta_rule", "kda", "mamba", "mamba2"])
-def test_tree_scans_equal_each_path_alone_float64(scan, forest):
+def test_tree_scans_equal_each_path_alone_float64(scan, forest, fork):
     """float64, 1e-10: every scan over tree rows (``TreePlan.scan``) gives each token what its
-    root-to-leaf path alone gives, outputs and gradients: the delta rules (gated, KDA) and
-    Mamba2's SSD fork the state at the end of a shared segment into each branch (chunks of 8:
-    segments cross chunks), Mamba's selective scan runs each path."""
+    root-to-leaf path alone gives, outputs and gradients: each forks the state at the end of
+    a shared segment into each branch (chunks of 8 or 5: segments cross chunks); the paths'
+    fallback (a scan without a tree form) is checked too."""
     fn, shapes = _scans()[scan]
+    if not fork:  # the same scan without its tree form: TreePlan.scan runs each path
+        fn = functools.partial(fn)
     seg, parents, paths = _layout(FORESTS[forest])
     B = seg.shape[0]
     plan = TreePlan.from_parents(seg, parents)
@@ -233,7 +244,7 @@ def test_tree_scans_equal_each_path_alone_float64(scan, forest):
     _close(got[real], want[real], 1e-10)
     for a, t in zip(mine, leaves, strict=True):
         _close(a, t.grad, 1e-10)
-    if hasattr(fn, "tree"):
+    if fork:
         assert fn.tree.calls == 1  # the forked form ran, not the paths
 
 

@@ -8,11 +8,12 @@ segment seeds every branch below it:
 - a causal conv's taps follow the path back (a branch's first token sees its parent's last
   tokens, a grandparent's when the parent is shorter than the window): :meth:`TreePlan.taps`
   marks them, :meth:`TreePlan.tap_index` says where each one is;
-- a scan runs by :meth:`TreePlan.scan`: a scan with a tree form of its own (the gated delta
-  rule forks its chunked state, ``fn.tree``) runs it; any other runs once over every
-  root-to-leaf path laid out as a row of its own, and each token takes its output from the first
-  path that holds it: what each branch gets from a forked state, a shared segment's scan run
-  once per branch below it (projections, norms and gates still run once per tree token).
+- a scan runs by :meth:`TreePlan.scan`: a scan with a tree form of its own (``fn.tree``: the
+  delta rules, Mamba2's SSD and Mamba's selective scan fork their chunked state over
+  :meth:`TreePlan.chunk_layout`, where every segment starts a chunk and a branch's first chunk
+  reads its parent's end state) runs it; any other runs once over every root-to-leaf path laid
+  out as a row of its own, and each token takes its output from the first path that holds it
+  (a shared segment's scan run once per branch below it).
 
 Either way every token's output is the one its path gets alone, and gradients reach a shared
 segment from every branch. Shapes: B rows of S tokens; P paths of at most L tokens.

@@ -352,8 +352,23 @@ def _selective_chunk(S: int) -> int:
     return max(1, math.isqrt(max(S - 1, 0)) + 1)
 
 
+def _tree_selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
+                         plan: TreePlan, chunk: int) -> Tensor:  # fmt: skip
+    """:func:`_selective_scan` over prefix-tree rows, each branch's state forked from the end of
+    its parent segment (laid out as :func:`_tree_ssd_scan`; no decay is zeroed: a root's first
+    chunk enters with a zero state). Returns (B, S, I), zeros on padding."""
+    from flexpack.mixers.delta import _lay
+
+    index, back, _, sources = plan.chunk_layout(chunk)
+    rows = torch.arange(u.shape[0], device=index.device)[:, None]
+    u, dt, B, C = (_lay(t, index, rows) for t in (u, dt, B, C))
+    start = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
+    y = _selective_scan(u, dt, A, B, C, start, chunk, sources=sources)[rows, back]
+    return y * plan.real[..., None].to(y.dtype)
+
+
 def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, start: Tensor,
-                    chunk: int) -> Tensor:  # fmt: skip
+                    chunk: int, sources: list[list[int]] | None = None) -> Tensor:  # fmt: skip
     """``mamba_selective_scan``'s recurrence (without D and the gate), the state restarting
     wherever ``start``: h_t = exp(A dt_t) h_{t-1} + dt_t B_t u_t, with exp(A dt_t) = 0 at a
     document's first token (what a fresh document computes), y_t = C_t . h_t.
@@ -368,6 +383,8 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
         A: (I, n) negative. B, C: (B, S, n) in the working dtype.
         start: (B, S) bool, True where a document (or a padding run) starts.
         chunk: tokens per chunk, q.
+        sources: per row, per chunk, the chunk whose end state enters it (-1: a zero state)
+            where it is not the previous one (:func:`_tree_selective_scan`).
 
     Returns:
         (B, S, I) in the working dtype.
@@ -393,9 +410,16 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
 
     # 2. the state entering each chunk, carried chunk to chunk through each chunk's decays
     ends, products = local[-1].unbind(1), through[-1].unbind(1)  # c of (B, I, n)
-    entering = [torch.zeros_like(ends[0])]
+    zero = torch.zeros_like(ends[0])
+    entering, finals = [zero], []
     for k in range(1, c):
-        entering.append(products[k - 1] * entering[-1] + ends[k - 1])
+        finals.append(products[k - 1] * entering[-1] + ends[k - 1])
+        if sources is None or all(row[k] == k - 1 for row in sources):
+            entering.append(finals[-1])
+        else:
+            entering.append(torch.stack([
+                finals[row[k]][b] if row[k] >= 0 else zero[b] for b, row in enumerate(sources)
+            ]))  # fmt: skip
 
     # 3. each token's state: its chunk's own part plus what entered the chunk, decayed to it
     states = torch.stack(local, 2) + torch.stack(through, 2) * torch.stack(entering, 1)[:, :, None]
@@ -467,6 +491,10 @@ def mamba_one_pass(
         start = torch.ones_like(segment, dtype=torch.bool)
         start[:, 1:] = segment[:, 1:] != segment[:, :-1]
         return _selective_scan(h, dt, A, B, C, start, chunk or _selective_chunk(h.shape[1]))
+
+    scan.tree = lambda h, dt, B, C, tree: _tree_selective_scan(
+        h, dt, A, B, C, tree, chunk or _selective_chunk(h.shape[1])
+    )
 
     y = plan.scan(scan, h.to(work), dt, B.to(work), C.to(work))
     # the module's scan output is in the rows' dtype (bf16 rows: rounded), its D skip and gate
