@@ -44,6 +44,12 @@ Plan (:func:`run_plan`), in order of value:
    per-segment SDPA path, and against varlen with the window.
 4. Attention sinks (flex with its LSE; tolerance from a bf16 error model, :func:`sink_tolerances`)
    and 0 recompiles of flex for a new layout or a new window.
+   Then the hybrid models' token mixers at the first size (:func:`hybrid_rows`, no flex
+   compile; fp32 weights in bf16 autocast, hidden 1024): LFM2's short conv, Qwen3.5's gated
+   delta rule and Bamba's Mamba2, each as flexpack's one pass over the packed row, the
+   module's own forward per group of right-padded documents (flexpack's path before the one
+   pass), the module's own forward over the whole row (a speed anchor only: its state leaks)
+   and the one pass over GRPO-like prefix trees (the state forked at each branch).
 5. D=64 at 8K and 32K: flex against varlen.
 6. S=128K (no dense mask: ~48 GiB; torch 2.13's efficient kernel is wrong past row 2^32 / S).
 7. The other checks: fp32 flex / auto / sdpa (< 1e-5), head dim 8 (flex pads it to 16), a
@@ -1152,6 +1158,14 @@ MASK_METHODS = {
     # the peer's call (varlen_attn with window_size=(W, 0) on pre-unpadded tokens).
     "window": ("flexpack flex", "flexpack auto", "varlen_attn"),
 }
+# Hybrid models' token mixers (flexpack.mixers), one stage per run at the first size: per kind,
+# the one pass over the packed row, the module's own forward once per group of right-padded
+# documents (what flexpack ran before the one pass), the module's own forward over the whole
+# row (a speed anchor only: its state leaks across documents), and the one pass over GRPO-like
+# prefix trees of the same length (the state forked at each branch).
+HYBRID_KINDS = ("short_conv", "gated_delta_rule", "mamba2")
+HYBRID_METHODS = ("one pass", "per group", "own forward (leaks)", "tree (forked)")
+MASK_METHODS["hybrid"] = tuple(f"{k}: {m}" for k in HYBRID_KINDS for m in HYBRID_METHODS)
 COMPILING = ("flexpack flex",)
 # Seconds a row takes once compiled (3 warm-up calls and ~1 s of repetitions per phase).
 ROW_S = 5.0
@@ -1421,6 +1435,129 @@ def speed(
     return results, flops_fwd
 
 
+def hybrid_mixer(kind: str, *, dry_run: bool) -> torch.nn.Module:
+    """One mixer layer of a hybrid family at a training size (hidden 1024; the dry run's tiny),
+    fp32 weights (bf16 autocast runs it, as TRL trains): LFM2's short conv, Qwen3.5's gated
+    delta rule, Bamba's Mamba2."""
+    import transformers
+
+    from flexpack import mixers
+
+    H = 32 if dry_run else 1024
+    common = dict(vocab_size=128, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=1,
+                  num_attention_heads=4 if dry_run else 16, num_key_value_heads=2)  # fmt: skip
+    if kind == "short_conv":
+        config = transformers.Lfm2Config(**common, layer_types=["conv"], full_attn_idxs=[])
+    elif kind == "gated_delta_rule":
+        heads, dim = (2, 8) if dry_run else (8, 128)
+        config = transformers.Qwen3_5TextConfig(
+            **common, layer_types=["linear_attention"], linear_num_key_heads=heads,
+            linear_num_value_heads=2 * heads, linear_key_head_dim=dim, linear_value_head_dim=dim,
+        )  # fmt: skip
+    else:
+        heads, dim, state, chunk = (4, 16, 8, 16) if dry_run else (32, 64, 128, 256)
+        config = transformers.BambaConfig(
+            **common, attn_layer_indices=[], mamba_n_heads=heads, mamba_d_head=dim,
+            mamba_d_state=state, mamba_chunk_size=chunk, mamba_expand=2,
+        )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    (path, _), *_ = [(p, k) for p, k in mixers.mixers_of(model) if k == kind]
+    return model.get_submodule(path)
+
+
+def hybrid_rows(
+    device: torch.device, S: int, *, dry_run: bool, on_result: Callable[[Result], None],
+    budget: Budget | None = None, median: float = 1024,
+) -> None:  # fmt: skip
+    """Time each hybrid kind's mixer (:data:`HYBRID_METHODS`) on one packed row of lognormal
+    documents (and one of prefix trees), fwd and fwd+bwd in bf16 autocast; a method that fails
+    or declines (the one pass's self-check) gets a row that says so."""
+    from flexpack.mixers._plan import DocumentPlan
+    from flexpack.mixers._tree import TreePlan
+
+    timer = make_timer(device, min_reps=2 if dry_run else 5, budget_s=0.05 if dry_run else 1.0)
+    median = min(median, S / 8)  # several documents in the row, several trees
+    docs = DocumentPlan.from_doc_ids(lognormal_doc_ids(S, median=median)[None].to(device))
+    seg, parents = tree_layout(S, prompt=median / 2, completions=8, completion=median / 4)
+    tree = TreePlan.from_parents(seg.to(device), parents.to(device))
+    tiny = dry_run or S < 2048  # a rehearsal (the dry run, the faked device): tiny widths
+    for kind in HYBRID_KINDS:
+        estimate = len(HYBRID_METHODS) * (1.0 if dry_run else ROW_S)
+        if budget is not None and not budget.fits(estimate):
+            budget.skip(f"hybrid {kind}", estimate)
+            continue
+        for r in _hybrid_kind(kind, device, S, docs, tree, timer, dry_run=tiny):
+            on_result(r)
+        _empty_cache(device)
+
+
+def _hybrid_kind(kind, device, S, docs, tree, timer, *, dry_run: bool) -> list[Result]:
+    """:func:`hybrid_rows`' rows of one kind."""
+    from flexpack.mixers import _one_pass
+    from flexpack.mixers import _room_of as room_of
+
+    mixer = hybrid_mixer(kind, dry_run=dry_run).to(device)
+    own = type(mixer).forward.__get__(mixer)
+    hook = room_of(mixer).one_pass
+    x = torch.randn(1, S, _width(mixer), device=device, requires_grad=True)
+
+    def one_pass(plan):
+        out = hook(mixer, own, x, plan, {})
+        if out is None:
+            raise RuntimeError("the one pass declined (its self-check or structure)")
+        return out
+
+    def own_row():
+        out = own(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    calls = {
+        "one pass": lambda: one_pass(docs),
+        "per group": lambda: _one_pass.per_group(own, x, docs),
+        "own forward (leaks)": own_row,
+        "tree (forked)": lambda: one_pass(tree),
+    }
+
+    def forward(call):
+        def run():
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+                return call()
+
+        return run
+
+    def backward(call):
+        def run():
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                out = call()
+            out.float().sum().backward()
+            x.grad = None
+            mixer.zero_grad(set_to_none=True)
+
+        return run
+
+    fwd = timer(*(forward(calls[m]) for m in HYBRID_METHODS))
+    both = timer(*(backward(calls[m]) for m in HYBRID_METHODS))
+    rows = []
+    for method, f, b in zip(HYBRID_METHODS, fwd, both, strict=True):
+        failed = next((t for t in (f, b) if isinstance(t, Exception)), None)
+        rows.append(
+            Result(
+                S, f"{kind}: {method}", D=_width(mixer), mask="hybrid",
+                fwd=math.nan if isinstance(f, Exception) else f.mean,
+                fwd_bwd=math.nan if isinstance(b, Exception) else b.mean,
+                reps=0 if failed else f.reps,
+                note=_failure(failed) if failed else "",
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _width(mixer: torch.nn.Module) -> int:
+    """The hidden size a mixer takes."""
+    return int(mixer.hidden_size if isinstance(getattr(mixer, "hidden_size", None), int)
+               else mixer.out_proj.out_features)  # fmt: skip
+
+
 @dataclass(eq=False)
 class TimedCall:
     """One timed method of :func:`speed`: ``fwd()`` runs the forward, ``fwd().backward(
@@ -1519,7 +1656,9 @@ def markdown(
     ]
 
     def cells(t: float, flop: float) -> str:
-        return "— | —" if math.isnan(t) else f"{t * 1e3:.2f} | {flop / t / 1e12:.3g}"
+        if math.isnan(t):
+            return "— | —"
+        return f"{t * 1e3:.2f} | " + ("—" if math.isnan(flop) else f"{flop / t / 1e12:.3g}")
 
     for r in results:
         f = flops.get(r.key, math.nan)
@@ -1588,13 +1727,15 @@ def run_plan(
     dry_run: bool,
     trees_and_windows: bool = True,
     flex: bool = True,
+    hybrids: bool = True,
 ) -> list[Stage]:
     """The run in order of value (at ~40 s a compile, what comes last is what the budget cuts):
 
     1. the bf16 correctness checks (what training runs);
     2. every size up to 32K at the first head dim (``dims[0]``), all five rows;
     3. tree and window masks at the largest of those sizes;
-    4. the sinks and recompile checks;
+    4. the sinks and recompile checks, then the hybrid models' mixers at the first size
+       (``hybrids``; no flex compile);
     5. the other head dims (flex and varlen) at those sizes;
     6. the sizes above 32K, at the first head dim;
     7. the other checks (fp32, head dim 8, a 64-token BlockMask: paths fewer users take).
@@ -1617,6 +1758,10 @@ def run_plan(
             )  # fmt: skip
     if group["sinks"]:
         stages.append(Stage("checks (sinks, recompiles)", checks=group["sinks"]))
+    if hybrids:
+        S = short[0]
+        stages.append(Stage(f"time S={S} hybrid mixers", S=S, D=0, H=H, mask="hybrid",
+                            methods=MASK_METHODS["hybrid"]))  # fmt: skip
     for D in dims[1:]:
         for S in short:
             stages.append(
@@ -1810,6 +1955,12 @@ def _main(args, argv: list[str], out: Path, seconds: float | None, budget: Budge
                     write()
                     continue
                 try:
+                    if st.mask == "hybrid":
+                        hybrid_rows(
+                            device, st.S, dry_run=args.dry_run, on_result=on_result,
+                            budget=budget, median=median,
+                        )  # fmt: skip
+                        continue
                     speed(
                         device, st.S, H=st.H, D=st.D, median=median, dry_run=args.dry_run,
                         flops=flops, on_result=on_result, budget=budget, mask=st.mask,

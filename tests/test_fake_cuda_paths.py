@@ -802,11 +802,16 @@ def test_gpu_bench_failed_preflight_times_varlen_and_sdpa_in_order_then_os_exit(
     assert kernels.kernels("varlen")
     assert "skip flex   bfloat16: skipped: the preflight failed" in report
     rows = [x.split(" | ")[:4] for x in lines if re.match(r"\| \d+ \| \d+ \| \w+ \| [a-zS]", x)]
+    hybrid = [x for x in lines if x.startswith("| 128 | 32 | hybrid |")]
+    # every mixer timed (its TFLOP/s cells are dashes: no FLOP count for a mixer)
+    assert len(hybrid) == 12 and not any("failed" in x for x in hybrid), hybrid
+    assert all(x.split(" | ")[4] != "—" and x.split(" | ")[6] != "—" for x in hybrid), hybrid
     assert [" ".join(r)[2:] for r in rows] == [
         *(f"128 32 document_causal {m}" for m in gpu.METHODS),
         "128 32 tree flexpack flex",
         "128 32 tree flexpack sdpa (per segment)",
         *(f"128 32 window {m}" for m in gpu.MASK_METHODS["window"]),
+        *(f"128 32 hybrid {m}" for m in gpu.MASK_METHODS["hybrid"]),  # no flex: all run
         "128 16 document_causal flexpack flex",
         "128 16 document_causal varlen_attn",
         *(f"256 32 document_causal {m}" for m in gpu.METHODS if m != "SDPA + dense mask"),
@@ -834,6 +839,7 @@ def test_gpu_bench_plan_runs_in_order_of_value():
         "time S=32768 D=128 tree",
         "time S=32768 D=128 window",
         "checks (sinks, recompiles)",
+        "time S=8192 hybrid mixers",
         "time S=8192 D=64",
         "time S=32768 D=64",
         "time S=131072 D=128",
