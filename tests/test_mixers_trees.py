@@ -26,7 +26,7 @@ from flexpack.mixers._tree import TreePlan  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_mixers import FAMILIES, _model  # noqa: E402
 
-KINDS = ("gated_delta_rule", "kda", "mamba", "mamba2", "short_conv")
+KINDS = ("gated_delta_rule", "kda", "lightning_attention", "mamba", "mamba2", "short_conv")
 S = 72  # a gated delta / KDA chunk is 64 tokens: a path crosses one
 
 # per row: (segment lengths, parents); rows padded to S
@@ -90,6 +90,10 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     def first(out):
         return out[0] if isinstance(out, tuple) else out
 
+    # lightning attention's forward takes the rotary tables and a mask (and ignores them)
+    extra = {"position_embeddings": None, "attention_mask": None}
+    extra = extra if kind == "lightning_attention" else {}
+
     ctx = (
         torch.autocast("cpu", dtype=torch.bfloat16)
         if autocast
@@ -99,7 +103,7 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     fm.set_sources(model, flexpack_mask=masks.tree(seg, parents))
     xt = x.clone().requires_grad_()
     with ctx:
-        got = first(mixer(xt))
+        got = first(mixer(xt, **extra))
     (got.float() * w).sum().backward()
     grads = [xt.grad] + [p.grad.clone() for p in mixer.parameters()]
     mixer.zero_grad()
@@ -111,7 +115,7 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     taken = torch.zeros(B * S, dtype=torch.bool)
     for path in paths:
         with ctx:
-            out = first(own(flat[path][None]))[0]
+            out = first(own(flat[path][None], **extra))[0]
         new = ~taken[path]
         index = torch.tensor(path)[new]
         want = want.index_copy(0, index, out[new])

@@ -12,6 +12,7 @@ keeps it too.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -35,8 +36,25 @@ PROBE = [
 OnePass = Callable[[torch.nn.Module, Tensor, DocumentPlan], Tensor]
 
 
+def _alone(own: Callable) -> Callable[[Tensor], Any]:
+    """``own`` called with hidden states only: parameters it requires besides them (MiniMax's
+    ``position_embeddings`` and ``attention_mask``, which lightning attention does not use)
+    get None."""
+    try:
+        params = list(inspect.signature(own).parameters.values())[1:]
+    except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+        return own
+    required = {
+        p.name: None
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    }
+    return lambda x: own(x, **required)
+
+
 def per_group(own: Callable, x: Tensor, plan: DocumentPlan) -> Tensor:
     """The module's own forward, once per group of right-padded documents, merged back."""
+    own = _alone(own)
     outs = [own(plan.split(x, g)) for g in range(len(plan.groups))]
     return plan.merge([o[0] if isinstance(o, tuple) else o for o in outs])
 
@@ -75,12 +93,14 @@ def hook(
     *,
     probe: Callable[[torch.nn.Module], list[list[int]]] = lambda _: PROBE,
     changes: tuple[str, ...] = CHANGES_THE_PASS,
+    outputs: int = 1,
 ) -> Callable[..., Any]:
     """A ``Room.one_pass`` hook: ``fn`` on the whole (B, S, H) rows ``x`` where the module
     ``fits`` them (its structure, their width and dtype), the call's keywords hold none of
     ``changes``, and the module's class passed :func:`self_check` on ``probe(module)``'s ids
     (once, at its first call outside compilation). ``hook(...).verified`` maps each probed
-    class to its verdict, ``hook(...).fn`` is ``fn``."""
+    class to its verdict, ``hook(...).fn`` is ``fn``. ``outputs`` > 1: the module returns a
+    tuple (the per-token output, then ``outputs - 1`` others the one pass gives as None)."""
     verified: dict[type, bool] = {}
 
     def one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
@@ -94,7 +114,10 @@ def hook(
                 return None
             ok = self_check(module, own, one_pass.fn, x.shape[-1], probe(module))
             verified[type(module)] = ok
-        return one_pass.fn(module, x, plan) if ok else None
+        if not ok:
+            return None
+        out = one_pass.fn(module, x, plan)
+        return out if outputs == 1 else (out, *([None] * (outputs - 1)))
 
     one_pass.verified = verified  # type: ignore[attr-defined]
     one_pass.fn = fn  # type: ignore[attr-defined]  # what it runs (tests count its calls)
