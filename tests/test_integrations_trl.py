@@ -318,16 +318,53 @@ def test_grpo_on_hybrids_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path, 
     assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
 
 
-def test_hybrid_per_token_logps_equal_trls_on_trees(model_dir, tokenizer, tmp_path):
-    """Qwen3.5, groups of 3, 2 and 1 rows sharing a prompt, an empty completion: TRL's padded
-    log-probs and entropies from one tree forward."""
-    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind="qwen3_5")
+# every mixer kind with a tree form, beside the trained ones above
+SEAM_HYBRIDS = {**HYBRIDS, "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config",
+                "kimi_linear": "KimiLinearConfig", "jamba": "JambaConfig",
+                "minimax": "MiniMaxConfig"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", sorted(SEAM_HYBRIDS))
+def test_hybrid_per_token_logps_equal_trls_on_trees(tokenizer, tmp_path, kind):
+    """Every mixer kind with a tree form (short conv, gated delta rule, KDA, Mamba2, Mamba,
+    lightning), groups of 3, 2 and 1 rows sharing a prompt, an empty completion: TRL's padded
+    log-probs and entropies from one tree forward, no fallback."""
+    from flexpack.integrations._tiny import tiny_config
+
+    config = tiny_config(getattr(transformers, SEAM_HYBRIDS[kind])())
+    config.vocab_size, config.pad_token_id, config.eos_token_id = V + 3, PAD, EOS
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / kind)
+    trainer = grpo(ftrl.GRPOTrainer, tmp_path, tokenizer, tmp_path / "out", kind=kind)
     ids, mask, C = rl_batch()
     with torch.no_grad():
         (lp, ent, _), (want_lp, want_ent, _) = seam_pair(trainer, trainer.model, ids, mask, C)
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
     assert trainer.flexpack_stats.calls == 1 and trainer.flexpack_stats.fallbacks == 0
+
+
+@pytest.mark.parametrize("kind", ["bamba", "qwen3_5"])
+def test_hybrid_tree_logps_equal_generates(model_dir, kind):
+    """The log-probs generate() scored its sampled completions with (the model's own cached
+    decoding, step by step) equal the tree forward's over prompt + completions."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir / kind).eval()
+    prompt = torch.tensor([[5, 17, 3, 40, 22, 9, 31]])
+    torch.manual_seed(1)
+    out = model.generate(
+        prompt, do_sample=True, max_new_tokens=6, num_return_sequences=3, output_logits=True,
+        return_dict_in_generate=True, pad_token_id=PAD, eos_token_id=None,
+    )  # fmt: skip
+    completions = out.sequences[:, prompt.shape[1] :]
+    scores = torch.stack(out.logits, 1).float().log_softmax(-1)  # (3, 6, V)
+    want = scores.gather(-1, completions[..., None])[..., 0]
+    prompts = prompt.expand(3, -1)
+    trees = pack_padded(
+        prompts, torch.ones_like(prompts), completions, torch.ones_like(completions)
+    )
+    with torch.no_grad():
+        got = trees.scatter(ftrl.tree_logps(model, trees).logps)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_a_mixer_without_a_tree_form_falls_back_to_trl(model_dir, tokenizer, tmp_path, monkeypatch):
