@@ -26,7 +26,8 @@ from flexpack.mixers._tree import TreePlan  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_mixers import FAMILIES, _model  # noqa: E402
 
-KINDS = ("gated_delta_rule", "kda", "lightning_attention", "mamba", "mamba2", "short_conv")
+KINDS = ("cca_projection", "gated_delta_rule", "kda", "lightning_attention", "mamba", "mamba2",
+         "short_conv")  # fmt: skip
 S = 72  # a gated delta / KDA chunk is 64 tokens: a path crosses one
 
 # per row: (segment lengths, parents); rows padded to S
@@ -85,14 +86,16 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     B = seg.shape[0]
     g = torch.Generator().manual_seed(0)
     x = torch.randn(B, S, model.config.hidden_size, generator=g, dtype=dtype)
-    w = torch.randn(B, S, model.config.hidden_size, generator=g, dtype=dtype)
 
-    def first(out):
+    def first(out):  # the per-token output; ZAYA's q, k and v side by side
+        if kind == "cca_projection":
+            return torch.cat([t.flatten(2) for t in out], dim=-1)
         return out[0] if isinstance(out, tuple) else out
 
     # lightning attention's forward takes the rotary tables and a mask (and ignores them)
     extra = {"position_embeddings": None, "attention_mask": None}
     extra = extra if kind == "lightning_attention" else {}
+    args = (None,) if kind == "cca_projection" else ()  # its cache, positional (5.17's name)
 
     ctx = (
         torch.autocast("cpu", dtype=torch.bfloat16)
@@ -103,7 +106,8 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     fm.set_sources(model, flexpack_mask=masks.tree(seg, parents))
     xt = x.clone().requires_grad_()
     with ctx:
-        got = first(mixer(xt, **extra))
+        got = first(mixer(xt, *args, **extra))
+    w = torch.randn(got.shape, generator=g, dtype=dtype)  # a random cotangent
     (got.float() * w).sum().backward()
     grads = [xt.grad] + [p.grad.clone() for p in mixer.parameters()]
     mixer.zero_grad()
@@ -115,7 +119,7 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     taken = torch.zeros(B * S, dtype=torch.bool)
     for path in paths:
         with ctx:
-            out = first(own(flat[path][None], **extra))[0]
+            out = first(own(flat[path][None], *args, **extra))[0]
         new = ~taken[path]
         index = torch.tensor(path)[new]
         want = want.index_copy(0, index, out[new])

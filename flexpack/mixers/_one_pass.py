@@ -52,15 +52,25 @@ def _alone(own: Callable) -> Callable[[Tensor], Any]:
     return lambda x: own(x, **required)
 
 
-def per_group(own: Callable, x: Tensor, plan: DocumentPlan) -> Tensor:
-    """The module's own forward, once per group of right-padded documents, merged back."""
+def per_group(
+    own: Callable, x: Tensor, plan: DocumentPlan, *, all_outputs: bool = False
+) -> Tensor | tuple[Tensor, ...]:
+    """The module's own forward, once per group of right-padded documents, merged back (every
+    output of a tuple with ``all_outputs``: a q, k, v projection)."""
     own = _alone(own)
     outs = [own(plan.split(x, g)) for g in range(len(plan.groups))]
+    if all_outputs:
+        return tuple(plan.merge([o[i] for o in outs]) for i in range(len(outs[0])))
     return plan.merge([o[0] if isinstance(o, tuple) else o for o in outs])
 
 
 def self_check(
-    module: torch.nn.Module, own: Callable, fn: OnePass, width: int, probe: list[list[int]]
+    module: torch.nn.Module,
+    own: Callable,
+    fn: OnePass,
+    width: int,
+    probe: list[list[int]],
+    all_outputs: bool = False,
 ) -> bool:
     """Does ``fn`` give the module's own forward (run per group of documents) on a random
     packed probe (``probe``: its document ids) of ``width`` features? Every real token within
@@ -76,13 +86,20 @@ def self_check(
         g = torch.Generator().manual_seed(0)
         x = torch.randn(plan.B, plan.S, width, generator=g).to(device, dtype)
         with torch.no_grad(), torch.autocast(device.type, enabled=False):
-            want = per_group(own, x, plan)
+            want = per_group(own, x, plan, all_outputs=all_outputs)
             got = fn(module, x, plan)
-        if got.shape != want.shape or got.dtype != want.dtype:
+        if not all_outputs:
+            got, want = (got,), (want,)
+        if len(got) != len(want):
             return False
         tol = 1e-5 if torch.finfo(dtype).bits >= 32 else 16 * torch.finfo(dtype).eps
-        error = (got.double() - want.double()).norm(dim=-1)  # (B, S)
-        return bool((error <= tol * want.double().norm(dim=-1)).all())
+        for g, w in zip(got, want, strict=True):
+            if g.shape != w.shape or g.dtype != w.dtype:
+                return False
+            g, w = g.reshape(*g.shape[:2], -1).double(), w.reshape(*w.shape[:2], -1).double()
+            if not bool(((g - w).norm(dim=-1) <= tol * w.norm(dim=-1)).all()):  # (B, S)
+                return False
+        return True
     except Exception:  # anything unexpected: the per-group calls, which run the module itself
         return False
 
@@ -94,13 +111,15 @@ def hook(
     probe: Callable[[torch.nn.Module], list[list[int]]] = lambda _: PROBE,
     changes: tuple[str, ...] = CHANGES_THE_PASS,
     outputs: int = 1,
+    all_outputs: bool = False,
 ) -> Callable[..., Any]:
     """A ``Room.one_pass`` hook: ``fn`` on the whole (B, S, H) rows ``x`` where the module
     ``fits`` them (its structure, their width and dtype), the call's keywords hold none of
     ``changes``, and the module's class passed :func:`self_check` on ``probe(module)``'s ids
     (once, at its first call outside compilation). ``hook(...).verified`` maps each probed
     class to its verdict, ``hook(...).fn`` is ``fn``. ``outputs`` > 1: the module returns a
-    tuple (the per-token output, then ``outputs - 1`` others the one pass gives as None)."""
+    tuple (the per-token output, then ``outputs - 1`` others the one pass gives as None);
+    ``all_outputs``: ``fn`` returns the module's whole tuple of per-token outputs, each checked."""
     verified: dict[type, bool] = {}
 
     def one_pass(module, own, x: Tensor, plan: DocumentPlan, kwargs: dict[str, Any]):
@@ -112,7 +131,7 @@ def hook(
         if ok is None:
             if torch.compiler.is_compiling():
                 return None
-            ok = self_check(module, own, one_pass.fn, x.shape[-1], probe(module))
+            ok = self_check(module, own, one_pass.fn, x.shape[-1], probe(module), all_outputs)
             verified[type(module)] = ok
         if not ok:
             return None
