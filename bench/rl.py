@@ -29,12 +29,12 @@ rank against world 1's 2 threads.
 ``--model gpt_oss`` runs a tiny gpt-oss instead (4 experts, top 2, attention sinks, a sliding
 layer; ``eager`` attention, its own default), with TRL's router load-balancing loss on: both
 sides compute it (flexpack over the trees, each token weighed by the rows sharing it).
-``--model qwen3_5`` / ``lfm2`` run a tiny hybrid (a gated delta rule or a short conv layer,
-then an attention layer; ``sdpa``): TRL runs the mixers' torch paths over its padded rows,
-flexpack the trees (each completion's state from the end of its prompt's).
+``--model qwen3_5`` / ``lfm2`` / ``bamba`` run a tiny hybrid (a gated delta rule, a short conv
+or a Mamba2 layer, then an attention layer; ``sdpa``): TRL runs the mixers' torch paths over its
+padded rows, flexpack the trees (each completion's state from the end of its prompt's).
 
     python bench/rl.py [--prompts 2] [--pairs 4] [--repeats 3] [--threads 2] [--world 1]
-                       [--model llama|gpt_oss|qwen3_5|lfm2]
+                       [--model llama|gpt_oss|qwen3_5|lfm2|bamba]
 """
 
 from __future__ import annotations
@@ -82,8 +82,13 @@ def save_model(path: Path, model: str = "llama") -> None:
         )  # fmt: skip
         transformers.GptOssForCausalLM(config).save_pretrained(path)
         return
-    if model in ("qwen3_5", "lfm2"):  # a hybrid: gated delta rule or short conv, then attention
-        if model == "qwen3_5":
+    if model in ("qwen3_5", "lfm2", "bamba"):  # a hybrid: a recurrent / conv layer, attention
+        if model == "bamba":  # Mamba2 (Nemotron-H, Falcon-H1 and Granite 4 share the mixer)
+            config = transformers.BambaConfig(
+                **common, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=32,
+                mamba_d_state=64, mamba_chunk_size=64, mamba_expand=2,
+            )  # fmt: skip
+        elif model == "qwen3_5":
             config = transformers.Qwen3_5TextConfig(
                 **common, head_dim=32, layer_types=["linear_attention", "full_attention"],
                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32,
@@ -318,9 +323,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads per process")
     parser.add_argument("--world", type=int, default=1, help="processes (gloo, DDP)")
-    parser.add_argument("--model", choices=("llama", "gpt_oss", "qwen3_5", "lfm2"),
+    parser.add_argument("--model", choices=("llama", "gpt_oss", "qwen3_5", "lfm2", "bamba"),
                         default="llama", help="gpt_oss: experts with TRL's router loss on, "
-                        "sinks; qwen3_5, lfm2: hybrids (gated delta rule, short conv)")  # fmt: skip
+                        "sinks; qwen3_5, lfm2, bamba: hybrids (gated delta rule, short "
+                        "conv, Mamba2)")  # fmt: skip
     parser.add_argument("--workdir", help=argparse.SUPPRESS)  # set for the ranks it launches
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
