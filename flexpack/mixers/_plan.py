@@ -164,10 +164,11 @@ class DocumentPlan:
     def _taps(self) -> dict[int, Tensor]:
         return {}
 
-    def tap_index(self, kernel: int) -> None:
-        """None: tap j of token t is token t - j of its row (a tree's is elsewhere:
-        :meth:`flexpack.mixers._tree.TreePlan.tap_index`)."""
-        return None
+    def shift(self, t: Tensor, j: int) -> Tensor:
+        """(B, C, S) -> (B, C, S): each token's value ``j`` tokens back in its row, zeros before
+        the row's start (across a document start where :meth:`taps` ``[j]`` is False: callers
+        mask it; a tree's path: :meth:`flexpack.mixers._tree.TreePlan.shift`)."""
+        return torch.nn.functional.pad(t[..., : t.shape[-1] - j], (j, 0)) if j else t
 
     def scan(self, fn: Callable[..., Tensor], *tensors: Tensor, **kwargs: Any) -> Tensor:
         """``fn(*tensors, segments, **kwargs)``: a segment-aware scan over the rows, ``segments``

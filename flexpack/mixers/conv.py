@@ -64,19 +64,14 @@ def _depthwise(module: torch.nn.Module) -> torch.nn.Conv1d | None:
 def _masked_conv(conv: torch.nn.Conv1d, u: Tensor, plan: DocumentPlan | TreePlan) -> Tensor:
     """``conv`` over ``u`` (B, C, S) as ``causal_conv1d_fn`` computes it, with each tap that
     ``plan.taps`` (K, B, S) bool marks False left out: sum over j of u[t - j] * w[K - 1 - j];
-    on tree rows u[t - j] is t's j-th predecessor on its path (``plan.tap_index``)."""
+    on tree rows u[t - j] is t's j-th predecessor on its path (``plan.shift``)."""
     weight = conv.weight[:, 0]  # (C, K)
     K, S = weight.shape[-1], u.shape[-1]
     taps = plan.taps(K)
-    index = plan.tap_index(K)
     v = u.to(weight.dtype)  # as causal_conv1d_fn: the weights' dtype, back to u's at the end
     y = v * weight[:, K - 1, None] * taps[0, :, None].to(v.dtype)
     for j in range(1, min(K, S)):
-        if index is None:
-            shifted = torch.nn.functional.pad(v[..., : S - j], (j, 0))  # (B, C, S): u[t - j]
-        else:
-            shifted = v.gather(-1, index[j][:, None, :].expand_as(v))
-        y = y + shifted * weight[:, K - 1 - j, None] * taps[j, :, None].to(v.dtype)
+        y = y + plan.shift(v, j) * weight[:, K - 1 - j, None] * taps[j, :, None].to(v.dtype)
     if conv.bias is not None:
         y = y + conv.bias[:, None]
     return y.to(u.dtype)
@@ -185,16 +180,12 @@ def cca_one_pass(
     qk = torch.cat([q, k], dim=-1).transpose(1, 2)  # (B, C, S)
     u = _masked_conv(dw, qk, plan)  # (B, C, S), the depthwise bias included
     K = gr.kernel_size[0]
-    taps, index = plan.taps(K), plan.tap_index(K)
+    taps = plan.taps(K)
     before = (dw.bias if dw.bias is not None else u.new_zeros(u.shape[1])).to(u.dtype)
     mixed = None
     for j in range(K):  # tap j of the grouped conv: u at t - j, or the bias before the start
-        if index is None:
-            shifted = torch.nn.functional.pad(u[..., : S - j], (j, 0)) if j else u
-        else:
-            shifted = u.gather(-1, index[j][:, None, :].expand_as(u))
         inside = taps[j][:, None, :].to(u.dtype)
-        shifted = shifted * inside + before[:, None] * (1 - inside)
+        shifted = plan.shift(u, j) * inside + before[:, None] * (1 - inside)
         term = torch.nn.functional.conv1d(shifted, gr.weight[..., K - 1 - j : K - j],
                                           groups=gr.groups)  # fmt: skip
         mixed = term if mixed is None else mixed + term
@@ -209,10 +200,7 @@ def cca_one_pass(
     delayed = module.v_proj_delayed(x)  # (B, S, V/2)
     first = module.v_proj_delayed(x.new_zeros(1, 1, x.shape[-1]))[0, 0]  # a document's start
     prev = plan.taps(2)[1][..., None].to(delayed.dtype)
-    if plan.tap_index(2) is None:
-        shifted = torch.nn.functional.pad(delayed[:, :-1], (0, 0, 1, 0))
-    else:
-        shifted = delayed.gather(1, plan.tap_index(2)[1][..., None].expand_as(delayed))
+    shifted = plan.shift(delayed.transpose(1, 2), 1).transpose(1, 2)  # the previous token's
     value = torch.cat([current, shifted * prev + first * (1 - prev)], dim=-1).view(shape)
     real = plan.real[..., None, None]
     return tuple(t * real.to(t.dtype) for t in (query, key, value))  # type: ignore[return-value]

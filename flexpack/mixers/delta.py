@@ -25,7 +25,7 @@ from torch import Tensor
 from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
-from flexpack.mixers._tree import TreePlan
+from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
 
 CHUNK = 64  # transformers' torch_chunk_gated_delta_rule's default
 
@@ -98,14 +98,13 @@ def tree_chunk_gated_delta_rule(
     Returns:
         (B, S, Hv, Dv) in ``query``'s dtype, zeros on padding.
     """
-    index, back, segment, sources = plan.chunk_layout(chunk_size)
-    rows = torch.arange(query.shape[0], device=index.device)[:, None]
-    out = _gated_delta_chunks(
-        *(_lay(t, index, rows) for t in (query, key, value, g, beta)), segment, chunk_size,
-        use_qk_l2norm, sources=sources,
-    )  # fmt: skip
-    out = out[rows, back]
-    return out * plan.real[..., None, None].to(out.dtype)
+
+    def rule(q, k, v, g, beta, layout: ChunkLayout) -> Tensor:
+        return _gated_delta_chunks(
+            q, k, v, g, beta, layout.segment, chunk_size, use_qk_l2norm, layout=layout
+        )
+
+    return plan.chunked(rule, chunk_size, query, key, value, g, beta)
 
 
 segment_chunk_gated_delta_rule.tree = tree_chunk_gated_delta_rule  # type: ignore[attr-defined]
@@ -120,11 +119,11 @@ def _gated_delta_chunks(
     segments: Tensor,
     chunk_size: int,
     use_qk_l2norm: bool,
-    sources: list[list[int]] | None = None,
+    layout: ChunkLayout | None = None,
 ) -> Tensor:
-    """:func:`segment_chunk_gated_delta_rule`'s computation; with ``sources`` (per row, per
-    chunk: the chunk whose end state enters it, -1 for none), each chunk holds one segment and
-    reads the state ``sources`` names (:func:`tree_chunk_gated_delta_rule`)."""
+    """:func:`segment_chunk_gated_delta_rule`'s computation; with a tree ``layout``, each chunk
+    holds one segment and reads the state of the chunk its sources name
+    (:func:`tree_chunk_gated_delta_rule`)."""
     dtype = query.dtype
     compute = torch.promote_types(dtype, torch.float32)  # fp32 as transformers; float64 kept
     B, S, Hk, Dk = key.shape
@@ -159,9 +158,8 @@ def _gated_delta_chunks(
     # the segment that continues the previous chunk (none in the first chunk)
     before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
     carry = seg == before  # (B, 1, N, C)
-    if sources is not None:  # one segment per chunk: it reads a state where it has a source
-        src = torch.tensor(sources, device=g.device)
-        carry = (src >= 0)[:, None, :, None].expand(B, 1, N, C)
+    if layout is not None:  # one segment per chunk: it reads a state where it has a source
+        carry = layout.entered[:, None, :, None].expand(B, 1, N, C)
     into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
     ut = (k_beta @ key.transpose(-1, -2)) * pairwise
     intra = (query @ key.transpose(-1, -2)) * pairwise
@@ -174,7 +172,7 @@ def _gated_delta_chunks(
     tail = seg == seg[..., -1:]
     key = key * ((cum[..., -1:] - cum).masked_fill(~tail, float("-inf")).exp())[..., None]
     chunk_decay = into[..., -1, None, None]  # (B, H, N, 1, 1)
-    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, sources)[:, :, :S]
+    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, layout)[:, :, :S]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
 
 
@@ -185,7 +183,7 @@ def _scan_chunks(
     new_values: Tensor,
     k_cumdecay: Tensor,
     chunk_decay: Tensor,
-    sources: list[list[int]] | None = None,
+    layout: ChunkLayout | None = None,
 ) -> Tensor:
     """The delta rules' scan over chunks (B, H, N, C, ...) -> outputs (B, H, N * C, Dv): the
     state carried from chunk to chunk, then each chunk's read of it and its own attention.
@@ -195,8 +193,7 @@ def _scan_chunks(
     backward), and the chunks are taken apart once (indexing chunk i in the loop would build a
     zero gradient of the whole tensor per chunk). ``key`` is decayed to its chunk's end,
     ``chunk_decay`` (B, H, N, 1 or Dk, 1) the carried state's decay across each chunk.
-    ``sources`` (per row, per chunk; host lists): the chunk whose end state enters each chunk
-    (-1: none) where it is not the previous one (prefix trees fork a state).
+    A tree ``layout``: each chunk enters with the end state its sources name (:func:`fork`).
     """
     B, H, N, C, Dk = key.shape
     zero = query.new_zeros(B, H, Dk, new_values.shape[-1])
@@ -206,10 +203,9 @@ def _scan_chunks(
         new_values.unbind(2), k_cumdecay.unbind(2), chunk_decay.unbind(2),
         key.transpose(-1, -2).unbind(2), strict=True,
     )):  # fmt: skip
-        if sources is not None and any(row[n] != n - 1 for row in sources):
-            state = torch.stack([
-                ends[row[n]][b] if row[n] >= 0 else zero[b] for b, row in enumerate(sources)
-            ])  # fmt: skip
+        forked = None if layout is None else fork(ends, layout.sources, n, zero)
+        if forked is not None:
+            state = forked
         v_new = values - k_decay @ state
         states.append(state)
         v_news.append(v_new)
@@ -361,22 +357,16 @@ def tree_chunk_kda(
     segment's end state, as :func:`tree_chunk_gated_delta_rule` (arguments as
     :func:`segment_chunk_kda`'s, ``plan`` the rows' trees). Returns (B, S, H, Dv), zeros on
     padding."""
-    index, back, segment, sources = plan.chunk_layout(chunk_size)
-    rows = torch.arange(query.shape[0], device=index.device)[:, None]
-    laid = [_lay(t, index, rows) for t in (query, key, value, g, beta)]
-    with torch.autocast(query.device.type, enabled=False):
-        out = _chunk_kda(*laid, segment, chunk_size, use_qk_l2norm, sources=sources)
-    out = out.to(query.dtype)[rows, back]
-    return out * plan.real[..., None, None].to(out.dtype)
+
+    def rule(q, k, v, g, beta, layout: ChunkLayout) -> Tensor:
+        with torch.autocast(q.device.type, enabled=False):
+            out = _chunk_kda(q, k, v, g, beta, layout.segment, chunk_size, use_qk_l2norm, layout)
+        return out.to(q.dtype)
+
+    return plan.chunked(rule, chunk_size, query, key, value, g, beta)
 
 
 segment_chunk_kda.tree = tree_chunk_kda  # type: ignore[attr-defined]
-
-
-def _lay(t: Tensor, index: Tensor, rows: Tensor) -> Tensor:
-    """(B, S, ...) -> (B, N * C, ...) in a :meth:`TreePlan.chunk_layout` (zeros on the filling)."""
-    padded = torch.cat([t, t.new_zeros(t.shape[0], 1, *t.shape[2:])], dim=1)
-    return padded[rows, index]
 
 
 def _chunk_kda(
@@ -388,7 +378,7 @@ def _chunk_kda(
     segments: Tensor,
     chunk_size: int,
     use_qk_l2norm: bool,
-    sources: list[list[int]] | None = None,
+    layout: ChunkLayout | None = None,
 ) -> Tensor:
     compute = torch.promote_types(query.dtype, torch.float32)
     B, S, H, Dk = key.shape
@@ -430,9 +420,8 @@ def _chunk_kda(
     # the segment that continues the previous chunk (none in the first chunk)
     before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
     carry = (seg == before)[..., None]  # (B, 1, N, C, 1)
-    if sources is not None:  # one segment per chunk: it reads a state where it has a source
-        src = torch.tensor(sources, device=g.device)
-        carry = (src >= 0)[:, None, :, None, None].expand(B, 1, N, C, 1)
+    if layout is not None:  # one segment per chunk: it reads a state where it has a source
+        carry = layout.entered[:, None, :, None, None].expand(B, 1, N, C, 1)
     into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
     new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
     k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * into, upper=False, unitriangular=True)
@@ -441,7 +430,7 @@ def _chunk_kda(
     tail = (seg == seg[..., -1:])[..., None]
     key = key * (cum[..., -1:, :] - cum).masked_fill(~tail, float("-inf")).exp()
     chunk_decay = into[..., -1, :, None]  # (B, H, N, Dk, 1)
-    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, sources)[:, :, :S]
+    out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, layout)[:, :, :S]
     return out.transpose(1, 2).contiguous()
 
 

@@ -32,7 +32,7 @@ from torch import Tensor
 from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, _closure, hub_functions
-from flexpack.mixers._tree import TreePlan
+from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
 
 __all__ = ["mamba2_one_pass", "mamba_one_pass"]
 
@@ -100,19 +100,17 @@ def _tree_ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, plan:
     """:func:`_ssd_scan` over prefix-tree rows, each branch's state forked from the end of its
     parent segment: the rows laid out with every segment starting a chunk
     (:meth:`TreePlan.chunk_layout`; the filling has no time step, so no decay and no input), a
-    chunk's entering state the end state of the chunk its ``sources`` name. Returns (B, S, h, p),
+    chunk's entering state the end state of the chunk its sources name. Returns (B, S, h, p),
     zeros on padding."""
-    from flexpack.mixers.delta import _lay
 
-    index, back, segment, sources = plan.chunk_layout(chunk)
-    rows = torch.arange(x.shape[0], device=index.device)[:, None]
-    laid = [_lay(t, index, rows) for t in (x, dt, B, C)]
-    y = _ssd_scan(*laid[:2], A, *laid[2:], segment, chunk, sources=sources)[rows, back]
-    return y * plan.real[..., None, None].to(y.dtype)
+    def scan(x: Tensor, dt: Tensor, B: Tensor, C: Tensor, layout: ChunkLayout) -> Tensor:
+        return _ssd_scan(x, dt, A, B, C, layout.segment, chunk, layout=layout)
+
+    return plan.chunked(scan, chunk, x, dt, B, C)
 
 
 def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: Tensor,
-              chunk: int, sources: list[list[int]] | None = None) -> Tensor:  # fmt: skip
+              chunk: int, layout: ChunkLayout | None = None) -> Tensor:  # fmt: skip
     """The chunked SSD scan of ``mamba2_chunk_scan`` (without D), the state zeroed wherever
     ``segment`` changes: h_t = exp(A dt_t) h_{t-1} [same segment] + dt_t B_t x_t, y_t = C_t h_t.
 
@@ -121,8 +119,8 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: T
         B, C: (B, S, h, n) (groups repeated per head), all in the working dtype.
         segment: (B, S) int, a different value on each side of every document start.
         chunk: tokens per chunk, q.
-        sources: per row, per chunk, the chunk whose end state enters it (-1: none), each chunk
-            one segment (:func:`_tree_ssd_scan`).
+        layout: tree rows, each chunk one segment entering with the end state of the chunk
+            its sources name (:func:`_tree_ssd_scan`).
 
     Returns:
         (B, S, h, p) in the working dtype.
@@ -155,7 +153,7 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: T
     # 3. chunk to chunk: a state crosses a chunk only if no document starts inside it
     # log decay from the chunk's first token of t's document through t: a per-document sum
     in_doc = torch.einsum("bctr,bhcr->bhct", same.to(a.dtype), a)  # (B, h, c, t)
-    if sources is None:
+    if layout is None:
         crossing = in_doc[..., -1].masked_fill(start.any(-1)[:, None], -torch.inf)  # (B, h, c)
         every = torch.ones(c + 1, c + 1, dtype=torch.bool, device=x.device).tril()
         across = torch.exp(_segment_sum(F.pad(crossing, (1, 0)), every)).transpose(1, 3)
@@ -163,8 +161,8 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: T
         states = torch.einsum("bzch,bzhpn->bchpn", across, states)[:, :-1]  # at chunk starts
         open_ = same[..., 0] & ~start[..., :1]  # (B, c, t)
     else:  # trees: each chunk one segment, entering with the end state of its source chunk
-        states, open_ = _forked_states(states, in_doc[..., -1], sources)
-        open_ = open_[..., None].expand(batch, c, q)
+        states = _forked_states(states, in_doc[..., -1], layout.sources)
+        open_ = layout.entered[..., None].expand(batch, c, q)
 
     # 4. the state at a chunk's start reaches the tokens of the document open there
     from_start = torch.exp(in_doc).masked_fill(~open_[:, None], 0)  # (B, h, c, t)
@@ -173,26 +171,19 @@ def _ssd_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, segment: T
     return y.reshape(batch, c * q, heads, p)[:, :S]
 
 
-def _forked_states(local: Tensor, total: Tensor, sources: list[list[int]]) -> tuple[Tensor, Tensor]:
-    """The state entering each chunk, (B, c, h, p, n), and whether it has one, (B, c) bool:
-    a chunk's end state is its entering state decayed through it (``total`` (B, h, c), its log
-    decay) plus its own (``local`` (B, c, h, p, n)); a chunk enters with the end state of the
-    chunk ``sources`` names (-1: none, a zero state)."""
-    c = local.shape[1]
+def _forked_states(local: Tensor, total: Tensor, sources: list[list[int]]) -> Tensor:
+    """The state entering each chunk, (B, c, h, p, n): a chunk's end state is its entering
+    state decayed through it (``total`` (B, h, c), its log decay) plus its own (``local``
+    (B, c, h, p, n)); a chunk enters with the end state of the chunk ``sources`` names
+    (:func:`flexpack.mixers._tree.fork`)."""
     zero = torch.zeros_like(local[:, 0])
     decay = total.exp().permute(0, 2, 1)[..., None, None]  # (B, c, h, 1, 1)
     entering, ends = [], []
-    for k in range(c):
-        if all(row[k] == k - 1 for row in sources) and k:
-            state = ends[k - 1]
-        else:
-            state = torch.stack([
-                ends[row[k]][b] if row[k] >= 0 else zero[b] for b, row in enumerate(sources)
-            ])  # fmt: skip
-        entering.append(state)
-        ends.append(state * decay[:, k] + local[:, k])
-    has = torch.tensor(sources, device=local.device) >= 0
-    return torch.stack(entering, 1), has
+    for k in range(local.shape[1]):
+        state = fork(ends, sources, k, zero)
+        entering.append(ends[k - 1] if state is None else state)
+        ends.append(entering[-1] * decay[:, k] + local[:, k])
+    return torch.stack(entering, 1)
 
 
 def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
@@ -357,18 +348,16 @@ def _tree_selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     """:func:`_selective_scan` over prefix-tree rows, each branch's state forked from the end of
     its parent segment (laid out as :func:`_tree_ssd_scan`; no decay is zeroed: a root's first
     chunk enters with a zero state). Returns (B, S, I), zeros on padding."""
-    from flexpack.mixers.delta import _lay
 
-    index, back, _, sources = plan.chunk_layout(chunk)
-    rows = torch.arange(u.shape[0], device=index.device)[:, None]
-    u, dt, B, C = (_lay(t, index, rows) for t in (u, dt, B, C))
-    start = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
-    y = _selective_scan(u, dt, A, B, C, start, chunk, sources=sources)[rows, back]
-    return y * plan.real[..., None].to(y.dtype)
+    def scan(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, layout: ChunkLayout) -> Tensor:
+        start = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
+        return _selective_scan(u, dt, A, B, C, start, chunk, layout=layout)
+
+    return plan.chunked(scan, chunk, u, dt, B, C)
 
 
 def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, start: Tensor,
-                    chunk: int, sources: list[list[int]] | None = None) -> Tensor:  # fmt: skip
+                    chunk: int, layout: ChunkLayout | None = None) -> Tensor:  # fmt: skip
     """``mamba_selective_scan``'s recurrence (without D and the gate), the state restarting
     wherever ``start``: h_t = exp(A dt_t) h_{t-1} + dt_t B_t u_t, with exp(A dt_t) = 0 at a
     document's first token (what a fresh document computes), y_t = C_t . h_t.
@@ -383,8 +372,8 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
         A: (I, n) negative. B, C: (B, S, n) in the working dtype.
         start: (B, S) bool, True where a document (or a padding run) starts.
         chunk: tokens per chunk, q.
-        sources: per row, per chunk, the chunk whose end state enters it (-1: a zero state)
-            where it is not the previous one (:func:`_tree_selective_scan`).
+        layout: tree rows, each chunk entering with the end state of the chunk its sources
+            name (:func:`_tree_selective_scan`).
 
     Returns:
         (B, S, I) in the working dtype.
@@ -414,12 +403,8 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
     entering, finals = [zero], []
     for k in range(1, c):
         finals.append(products[k - 1] * entering[-1] + ends[k - 1])
-        if sources is None or all(row[k] == k - 1 for row in sources):
-            entering.append(finals[-1])
-        else:
-            entering.append(torch.stack([
-                finals[row[k]][b] if row[k] >= 0 else zero[b] for b, row in enumerate(sources)
-            ]))  # fmt: skip
+        forked = None if layout is None else fork(finals, layout.sources, k, zero)
+        entering.append(finals[-1] if forked is None else forked)
 
     # 3. each token's state: its chunk's own part plus what entered the chunk, decayed to it
     states = torch.stack(local, 2) + torch.stack(through, 2) * torch.stack(entering, 1)[:, :, None]
