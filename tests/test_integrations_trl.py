@@ -256,6 +256,24 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def grpo_as_trl(model_dir, tokenizer, tmp_path, **overrides):
+    """TRL's GRPOTrainer and flexpack's trained alike for 2 steps: the losses and weights
+    equal (1e-4). Returns (TRL's weights, flexpack's trainer)."""
+    runs = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, **overrides)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer)
+    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
+    assert len(got) == len(want) == 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0, msg=k)
+    return want_w, ours
+
+
 @pytest.mark.parametrize(
     "over",
     # SGD for the second: Adam turns float noise on a ~0 gradient into a step of ~lr.
@@ -275,18 +293,7 @@ def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path, over):
     """2 steps, beta > 0 (a reference model), num_iterations = 2, gradient accumulation 2; or
     one generation for 2 steps (steps_per_generation = 2: the old policy's log-probs are
     computed, in TRL's per-device batch_size chunks)."""
-    runs = {}
-    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
-        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, **over)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
-        runs[name] = (losses(trainer), weights(trainer.model), trainer)
-    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
-    assert len(got) == len(want) == 2
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
-    for k in want_w:
-        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0)
+    want_w, ours = grpo_as_trl(model_dir, tokenizer, tmp_path, **over)
     moved = max((want_w[k] - weights(tiny())[k]).abs().max().item() for k in want_w)
     assert moved > 1e-3  # training changed the weights
     # policy (2 iterations), old policy and reference: all through trees, none fell back
@@ -299,21 +306,10 @@ def test_grpo_train_equals_trls_trainer(model_dir, tokenizer, tmp_path, over):
 @pytest.mark.parametrize("kind", sorted(HYBRIDS))
 def test_grpo_on_hybrids_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path, kind):
     """Recurrent and conv mixers on prefix trees: each completion's state starts from the end
-    of its shared prompt's (a forked state, or the prompt's scan run again per branch). 2 steps
+    of its shared prompt's (the state forked, the conv window along the path). 2 steps
     (a reference model, 2 iterations, accumulation 2): losses and weights equal TRL's own
     trainer, every log-prob forward a tree (no fallback)."""
-    runs = {}
-    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
-        trainer = grpo(cls, model_dir, tokenizer, tmp_path / name, kind=kind)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer.train()
-        runs[name] = (losses(trainer), weights(trainer.model), trainer)
-    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
-    assert len(got) == len(want) == 2
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
-    for k in want_w:
-        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0, msg=k)
+    _, ours = grpo_as_trl(model_dir, tokenizer, tmp_path, kind=kind)
     assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
     assert ours.flexpack_stats.tree_tokens < ours.flexpack_stats.padded_tokens
 
@@ -368,12 +364,14 @@ def test_hybrid_tree_logps_equal_generates(model_dir, kind):
 
 
 def test_a_mixer_without_a_tree_form_falls_back_to_trl(model_dir, tokenizer, tmp_path, monkeypatch):
-    """A mixer whose one pass declines (here: forced) refuses the tree by name; the trainer
-    takes TRL's padded path for that call, with a warning, and returns TRL's numbers."""
+    """A mixer whose one pass declines (here: its class's self-check verdict forced to False,
+    for this test only) refuses the tree by name; the trainer takes TRL's padded path for that
+    call, with a warning, and returns TRL's numbers."""
     from flexpack.mixers import conv
 
     trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind="lfm2")
-    monkeypatch.setattr(conv.SHORT_CONV.one_pass, "fn", lambda *a: None)
+    short_conv = trainer.model.get_submodule("model.layers.0.conv")
+    monkeypatch.setitem(conv.SHORT_CONV.one_pass.verified, type(short_conv), False)
     ids, mask, C = rl_batch()
     with pytest.warns(UserWarning, match="Lfm2ShortConv"), torch.no_grad():
         (lp, _, _), (want, _, _) = seam_pair(trainer, trainer.model, ids, mask, C)
