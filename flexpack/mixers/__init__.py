@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from flexpack._tensor_cache import all_match, on_clear, stamps
-from flexpack.mixers import conv, delta, linear, ssm
+from flexpack.mixers import conv, delta, linear, rglru, rwkv, ssm, xlstm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, uses_kernels
 from flexpack.mixers._tree import TreePlan
@@ -67,7 +67,9 @@ __all__ = [
 ]
 
 # Most specific first: a gated delta net also calls causal_conv1d_fn.
-ROOMS: tuple[Room, ...] = (*delta.ROOMS, *ssm.ROOMS, *linear.ROOMS, *conv.ROOMS)
+ROOMS: tuple[Room, ...] = (
+    *delta.ROOMS, *ssm.ROOMS, *linear.ROOMS, *rglru.ROOMS, *rwkv.ROOMS, *xlstm.ROOMS, *conv.ROOMS
+)
 
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values", "layer_past")
 # Boundary keywords of the call that the per-document calls must not see (their rows are single

@@ -37,19 +37,29 @@ OnePass = Callable[[torch.nn.Module, Tensor, DocumentPlan], Tensor]
 
 
 def _alone(own: Callable) -> Callable[[Tensor], Any]:
-    """``own`` called with hidden states only: parameters it requires besides them (MiniMax's
-    ``position_embeddings`` and ``attention_mask``, which lightning attention does not use)
-    get None."""
+    """``own`` called with hidden states only, each row one document: parameters it requires
+    besides them get None (MiniMax's ``position_embeddings`` and ``attention_mask``, which
+    lightning attention does not use), a required ``position_ids`` each row's positions from 0
+    (RecurrentGemma's RG-LRU restarts where they are 0), and ``use_cache`` False (a module
+    that keeps its cache in its own attributes leaves them alone)."""
     try:
         params = list(inspect.signature(own).parameters.values())[1:]
     except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
         return own
     required = {
-        p.name: None
+        p.name
         for p in params
         if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
     }
-    return lambda x: own(x, **required)
+    no_cache = {"use_cache": False} if any(p.name == "use_cache" for p in params) else {}
+
+    def call(x: Tensor) -> Any:
+        given = dict.fromkeys(required)
+        if "position_ids" in required:
+            given["position_ids"] = torch.arange(x.shape[1], device=x.device).expand(x.shape[0], -1)
+        return own(x, **given, **no_cache)
+
+    return call
 
 
 def per_group(
