@@ -8,7 +8,9 @@ packed rows:
   ``position_ids`` restarting per document, transformers' packed-sequence rule for attention,
   its torch mixer over the whole row: the documents' states leak, the number is its speed only);
 - ``flexpack``: ``attn_implementation=register()`` with ``packed_forward_kwargs`` (the mixers
-  adapted, run per group of documents; attention per document).
+  adapted; attention per document), twice: with every one pass declined (``per group``: the
+  module's own forward once per group of right-padded documents) and as it runs (``one
+  pass``: the whole rows at once, documents kept apart inside the computation).
 
 A second table splits the short conv (LFM2) three ways: its own torch path over the whole rows
 (leaking), flexpack's per-group calls of the module (the path every room has) and flexpack's
@@ -17,7 +19,7 @@ room runs now), for the whole model's step and for the conv layer alone.
 
 Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (about 1 minute on a quiet 2-core CPU; a word
 after it keeps only the families whose name has it, e.g. ``ZAYA``). Prints a markdown table;
-the ratio is own / flexpack (above 1: flexpack faster).
+the ratios are own / one pass and per group / one pass (above 1: the one pass faster).
 """
 
 from __future__ import annotations
@@ -60,6 +62,9 @@ FAMILIES = {  # kind: (config class, kwargs)
         num_local_experts=1, num_experts_per_tok=1)),
     "short_conv (LFM2)": ("Lfm2Config", dict(
         layer_types=["conv", "full_attention"], full_attn_idxs=[1], conv_L_cache=3)),
+    "rg_lru (RecurrentGemma)": ("RecurrentGemmaConfig", dict(
+        block_types=["recurrent", "attention"], lru_width=128, conv1d_width=4,
+        attention_window_size=512)),
     "cca_projection (ZAYA)": ("ZayaConfig", dict(
         layer_types=["hybrid", "hybrid"], num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=64, router_hidden_size=32, cca_time0=2, cca_time1=2)),
@@ -105,6 +110,23 @@ def _step_time(model, kwargs) -> float:
         model(**kwargs).logits.float().sum().backward()
 
     return _timed(step)
+
+
+def _per_group_step(model, kwargs) -> float:
+    """The model's step with every one pass declined (each class's self-check verdict set to
+    False meanwhile): the per-group calls every room has."""
+    from flexpack import mixers
+
+    model(**kwargs)  # adapted, and each class checked, at its first forward
+    verdicts = [room.one_pass.verified for room in mixers.ROOMS if room.one_pass is not None]
+    saved = [dict(v) for v in verdicts]
+    for v in verdicts:
+        v.update(dict.fromkeys(v, False))
+    try:
+        return _step_time(model, kwargs)
+    finally:
+        for v, old in zip(verdicts, saved, strict=True):
+            v.update(old)
 
 
 def short_conv_paths(batch, own_kwargs) -> None:
@@ -168,15 +190,19 @@ def main() -> None:
           f"{MAX_LEN}, {real} real tokens in {len(batch.seqlens)} documents; "
           f"forward + backward, median of {REPEATS}")  # fmt: skip
     print()
-    print("| mixer (family) | own torch path, sdpa (s) | flexpack (s) | own / flexpack |")
-    print("|---|---|---|---|")
+    print("| mixer (family) | own torch path, sdpa (s) | flexpack per group (s) | flexpack "
+          "one pass (s) | own / one pass | per group / one pass |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     own_kwargs = {"input_ids": batch.input_ids.long(), "position_ids": batch.position_ids.long(),
                   "use_cache": False}  # fmt: skip
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     for kind in [k for k in FAMILIES if only in k]:
         own = _step_time(_model(kind, "sdpa"), own_kwargs)
-        ours = _step_time(_model(kind, register()), packed_forward_kwargs(batch))
-        print(f"| {kind} | {own:.3f} | {ours:.3f} | {own / ours:.2f}x |", flush=True)
+        model, kwargs = _model(kind, register()), packed_forward_kwargs(batch)
+        grouped = _per_group_step(model, kwargs)
+        ours = _step_time(model, kwargs)
+        print(f"| {kind} | {own:.3f} | {grouped:.3f} | {ours:.3f} | {own / ours:.2f}x "
+              f"| {grouped / ours:.2f}x |", flush=True)  # fmt: skip
     if "short_conv (LFM2)" in [k for k in FAMILIES if only in k]:
         short_conv_paths(batch, own_kwargs)
     print(f"\nload average at the end: {__import__('os').getloadavg()[0]:.1f}")

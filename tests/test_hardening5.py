@@ -24,7 +24,7 @@ import flexpack.mixers as fm
 transformers = pytest.importorskip("transformers")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _zoo  # noqa: E402
-from test_mixers import FAMILIES, ONE_PASS_FLOAT64, _model  # noqa: E402
+from test_mixers import FAMILIES, ONE_PASS_FLOAT64, _model, positions  # noqa: E402
 
 # ----------------------------------------------------------------------------- 1. position_ids
 
@@ -308,13 +308,14 @@ def test_every_room_on_random_layouts_equals_each_document_alone(kind, layout):
         last = max((s for s in spans if s[0] == row), key=lambda s: s[1])
         doc_ids[row, last[1] : last[2]] = 0
         with pytest.raises(ValueError, match=f"two separate runs of row {row}"):
-            mixer(x, *args, doc_ids=doc_ids, **extra)
+            mixer(x, *args, doc_ids=doc_ids, **extra, **positions(kind, x))
         return
     with torch.no_grad():
-        out = mixer(x, *args, doc_ids=doc_ids, **extra)
+        out = mixer(x, *args, doc_ids=doc_ids, **extra, **positions(kind, x))
         out = out if kind == "cca_projection" else (_first(out),)
         for b, a, e in spans:
-            alone = type(mixer).forward(mixer, x[b : b + 1, a:e], *args, **extra)
+            one = x[b : b + 1, a:e]
+            alone = type(mixer).forward(mixer, one, *args, **extra, **positions(kind, one))
             alone = alone if kind == "cca_projection" else (_first(alone),)
             for got, want in zip(out, alone, strict=True):  # the rule's own is fp32 inside
                 atol = 1e-6 if kind in ONE_PASS_FLOAT64 else 1e-10

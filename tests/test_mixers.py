@@ -132,6 +132,18 @@ FAMILIES = {
         ),
         "self_attn.qkv_proj",
     ),
+    "rg_lru": (  # RecurrentGemma: a causal conv and the RG-LRU (it resets where positions are 0)
+        "RecurrentGemmaConfig",
+        dict(
+            SMALL,
+            num_hidden_layers=2,
+            block_types=["recurrent", "attention"],
+            lru_width=32,
+            conv1d_width=4,
+            attention_window_size=16,
+        ),
+        "temporal_block",
+    ),
 }
 LENGTHS = (7, 11, 5)  # three documents, longer than the chunks, blocks and conv windows
 
@@ -141,6 +153,15 @@ def _config(kind: str, attn_implementation: str = "eager"):
     config = getattr(transformers, name)(**kwargs)
     config._attn_implementation = attn_implementation
     return config
+
+
+def positions(kind: str, x: torch.Tensor) -> dict:
+    """What a layer hands its mixer besides the rows ``x`` (B, S, ...) that the test must pass:
+    RecurrentGemma's block requires ``position_ids`` (each call's rows from 0; the adapted
+    block keeps documents apart by their doc ids) and keeps its cache unless told not to."""
+    if kind != "rg_lru":
+        return {}
+    return {"position_ids": torch.arange(x.shape[1]).expand(x.shape[0], -1), "use_cache": False}
 
 
 def _model(kind: str, attn_implementation: str = "eager", dtype=torch.float32):
@@ -222,11 +243,12 @@ def _room_outputs(kind, dtype, outputs, context=contextlib.nullcontext):
     if kind == "cca_projection":  # (hidden_states, cache, conv_mask) -> (q, k, v), all per token
         extra, args = {}, (None,)  # the cache, positional: `past_key_values` on transformers 5.17
     with torch.no_grad(), context():
-        alone = {(b, a, e): outputs(mixer(x[b : b + 1, a:e], *args, **extra))
+        alone = {(b, a, e): outputs(mixer(x[b : b + 1, a:e], *args, **extra,
+                                          **positions(kind, x[b : b + 1, a:e])))
                  for b, a, e in _spans(batch.doc_ids)}  # fmt: skip
         fm.adapt(model)
         try:
-            out = outputs(mixer(x, *args, doc_ids=batch.doc_ids, **extra))
+            out = outputs(mixer(x, *args, doc_ids=batch.doc_ids, **extra, **positions(kind, x)))
         finally:
             fm.restore(model)
     return model, mixer, batch, alone, out
@@ -236,7 +258,7 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-ONE_PASS_FLOAT64 = {"gated_delta_rule", "kda"}
+ONE_PASS_FLOAT64 = {"gated_delta_rule", "kda", "rg_lru"}  # fp32 inside the modules
 
 
 @pytest.mark.parametrize("kind", sorted(FAMILIES))

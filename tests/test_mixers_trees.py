@@ -24,10 +24,10 @@ from flexpack import masks  # noqa: E402
 from flexpack.mixers._tree import TreePlan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_mixers import FAMILIES, _model  # noqa: E402
+from test_mixers import FAMILIES, _model, positions  # noqa: E402
 
 KINDS = ("cca_projection", "gated_delta_rule", "kda", "lightning_attention", "mamba", "mamba2",
-         "short_conv")  # fmt: skip
+         "rg_lru", "short_conv")  # fmt: skip
 S = 72  # a gated delta / KDA chunk is 64 tokens: a path crosses one
 
 # per row: (segment lengths, parents); rows padded to S
@@ -95,6 +95,7 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     # lightning attention's forward takes the rotary tables and a mask (and ignores them)
     extra = {"position_embeddings": None, "attention_mask": None}
     extra = extra if kind == "lightning_attention" else {}
+    extra = {"attention_mask": None} if kind == "rg_lru" else extra  # required, unused
     args = (None,) if kind == "cca_projection" else ()  # its cache, positional (5.17's name)
 
     ctx = (
@@ -106,7 +107,7 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     fm.set_sources(model, flexpack_mask=masks.tree(seg, parents))
     xt = x.clone().requires_grad_()
     with ctx:
-        got = first(mixer(xt, *args, **extra))
+        got = first(mixer(xt, *args, **extra, **positions(kind, xt)))
     w = torch.randn(got.shape, generator=g, dtype=dtype)  # a random cotangent
     (got.float() * w).sum().backward()
     grads = [xt.grad] + [p.grad.clone() for p in mixer.parameters()]
@@ -119,7 +120,8 @@ def _tree_and_alone(kind: str, forest, dtype, autocast: bool = False):
     taken = torch.zeros(B * S, dtype=torch.bool)
     for path in paths:
         with ctx:
-            out = first(own(flat[path][None], *args, **extra))[0]
+            one = flat[path][None]
+            out = first(own(one, *args, **extra, **positions(kind, one)))[0]
         new = ~taken[path]
         index = torch.tensor(path)[new]
         want = want.index_copy(0, index, out[new])
@@ -152,7 +154,7 @@ def test_tree_rows_equal_each_path_alone(kind, forest):
 
 def _scans():
     """Each scan the one passes run, as (name, fn(*tensors, segments), tensor shapes per token)."""
-    from flexpack.mixers import delta, ssm
+    from flexpack.mixers import delta, rglru, ssm
 
     H, D = 2, 4
     A = -torch.rand(H, dtype=torch.float64) - 0.5
@@ -199,11 +201,22 @@ def _scans():
 
     selective_forked.calls = 0
     selective.tree = selective_forked
+
+    def lru(log_a, u, seg):
+        return rglru._lru_scan(-log_a.abs(), u, seg, 5)
+
+    def lru_forked(log_a, u, plan):
+        lru_forked.calls += 1
+        return rglru._tree_lru_scan(-log_a.abs(), u, plan, 5)
+
+    lru_forked.calls = 0
+    lru.tree = lru_forked
     return {
         "gated_delta_rule": (gated_delta, [(H, D), (H, D), (H, D), (H,), (H,)]),
         "kda": (kda, [(H, D), (H, D), (H, D), (H, D), (H,)]),
         "mamba2": (ssd, [(H, D), (H,), (H, D), (H, D)]),
         "mamba": (selective, [(3,), (3,), (D,), (D,)]),
+        "rg_lru": (lru, [(3,), (3,)]),
     }
 
 
@@ -215,7 +228,7 @@ def _starts(seg: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "paths"])
 @pytest.mark.parametrize("forest", sorted(FORESTS))
-@pytest.mark.parametrize("scan", ["gated_delta_rule", "kda", "mamba", "mamba2"])
+@pytest.mark.parametrize("scan", ["gated_delta_rule", "kda", "mamba", "mamba2", "rg_lru"])
 def test_tree_scans_equal_each_path_alone_float64(scan, forest, fork):
     """float64, 1e-10: every scan over tree rows (``TreePlan.scan``) gives each token what its
     root-to-leaf path alone gives, outputs and gradients: each forks the state at the end of

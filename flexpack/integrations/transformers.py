@@ -591,7 +591,10 @@ def flexpack_attention_forward(
         return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
     backend = kwargs.get("flexpack_backend", "auto")
     if mask is not None and window is not None:
-        mask = _windowed(mask, int(window), kwargs.get("position_ids"), query.device)
+        # the layer's positions, else the model call's (RecurrentGemma's attention hands none)
+        positions = kwargs.get("position_ids")
+        positions = positions if positions is not None else _sources(module, S, kwargs)[2]
+        mask = _windowed(mask, int(window), positions, query.device)
         if isinstance(mask, _WindowedTree) and kwargs.get("s_aux") is not None:
             out = _windowed_tree_sinks(query, key, value, mask, kwargs["s_aux"], scaling, softcap)
             return out.transpose(1, 2).contiguous(), None

@@ -68,10 +68,16 @@ __all__ = [
 
 # Most specific first: a gated delta net also calls causal_conv1d_fn.
 ROOMS: tuple[Room, ...] = (
-    *delta.ROOMS, *ssm.ROOMS, *linear.ROOMS, *rglru.ROOMS, *rwkv.ROOMS, *xlstm.ROOMS, *conv.ROOMS
+    *delta.ROOMS,
+    *ssm.ROOMS,
+    *linear.ROOMS,
+    *rglru.ROOMS,
+    *rwkv.ROOMS,
+    *xlstm.ROOMS,
+    *conv.ROOMS,
 )
 
-_CACHE_NAMES = ("cache", "cache_params", "past_key_values", "layer_past")
+_CACHE_NAMES = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Boundary keywords of the call that the per-document calls must not see (their rows are single
 # documents; the torch fallbacks refuse cu_seqlens / seq_idx).
 _BOUNDARY_KEYS = ("doc_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens",
@@ -470,12 +476,13 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
         x = bound.pop(first)
     B, S = x.shape[:2]
     cache = bound.get(cache_name) if cache_name else None
+    if room.keeps_cache and bound.get("use_cache", True):
+        cache = True  # its cache is the module's own attributes
     mask = bound.get("flexpack_mask")
     if mask is None:
         mask = call.current().get("flexpack_mask")
     if mask is not None:  # prefix trees (whole rows, never decoding: a cache gets nothing)
-        if cache_name:
-            bound[cache_name] = None
+        _drop_cache(bound, cache_name, room)
         return _tree_forward(module, own, room, call, mask, x, bound)
     if cache is not None:
         if S == 1 or call.plan_for(B, S, bound, x.device, room.pad_factor).one_per_row:
@@ -489,7 +496,7 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
             "use_cache=False for packed rows (flexpack's packed_forward_kwargs does).",
             stacklevel=3,
         )
-        bound[cache_name] = None
+        _drop_cache(bound, cache_name, room)
     plan = call.plan_for(B, S, bound, x.device, room.pad_factor)
     if plan.single:
         return own(x, **{k: v for k, v in bound.items() if k not in _BOUNDARY_KEYS})
@@ -522,6 +529,14 @@ def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, 
     if room.all_outputs:  # q, k, v: every output is per token
         return tuple(plan.merge([o[i] for o in outs]) for i in range(len(outs[0])))
     return (plan.merge([o[0] for o in outs]), *([None] * (len(outs[0]) - 1)))
+
+
+def _drop_cache(bound: dict[str, Any], cache_name: str | None, room: Room) -> None:
+    """The call's keywords without a cache (packed or tree rows leave it alone)."""
+    if cache_name:
+        bound[cache_name] = None
+    if room.keeps_cache:
+        bound["use_cache"] = False
 
 
 class TreeRefused(ValueError):

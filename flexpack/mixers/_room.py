@@ -127,6 +127,9 @@ class Room:
             torch path (no kernel hand-off); ``own`` is the class's forward bound to the module
             (for a behavioural self-check), ``kwargs`` the call's other keywords. None: not this
             module or this call (the per-group calls run instead).
+        keeps_cache: the module keeps its cache in its own attributes when its call's
+            ``use_cache`` is true (also when the call leaves it to the module's default):
+            such a call is a cached call (RecurrentGemma's recurrent block).
     """
 
     name: str
@@ -139,6 +142,7 @@ class Room:
     recognised_by: str = ""
     all_outputs: bool = False
     one_pass: Callable[..., object] | None = None
+    keeps_cache: bool = False
 
     def owns(self, module: torch.nn.Module) -> bool:
         if self.matches is not None:

@@ -359,8 +359,29 @@ def _tree_selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
 def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, start: Tensor,
                     chunk: int, layout: ChunkLayout | None = None) -> Tensor:  # fmt: skip
     """``mamba_selective_scan``'s recurrence (without D and the gate), the state restarting
-    wherever ``start``: h_t = exp(A dt_t) h_{t-1} + dt_t B_t u_t, with exp(A dt_t) = 0 at a
-    document's first token (what a fresh document computes), y_t = C_t . h_t.
+    wherever ``start``: h_t = exp(A dt_t) h_{t-1} + dt_t B_t u_t, y_t = C_t . h_t
+    (:func:`diagonal_scan`).
+
+    Args:
+        u, dt: (B, S, I) inputs and time steps (after softplus), in the working dtype.
+        A: (I, n) negative. B, C: (B, S, n) in the working dtype.
+        start: (B, S) bool, True where a document (or a padding run) starts.
+        chunk: tokens per chunk, q.
+        layout: tree rows (:func:`_tree_selective_scan`).
+
+    Returns:
+        (B, S, I) in the working dtype.
+    """
+    inputs = (dt * u)[..., None] * B[:, :, None]  # (B, S, I, n)
+    return diagonal_scan(A * dt[..., None], inputs, C, start, chunk, layout)
+
+
+def diagonal_scan(log_decay: Tensor, inputs: Tensor, C: Tensor, start: Tensor, chunk: int,
+                  layout: ChunkLayout | None = None) -> Tensor:  # fmt: skip
+    """A diagonal linear recurrence over packed rows, the state restarting wherever ``start``:
+    h_t = exp(log_decay_t) h_{t-1} + inputs_t, with the decay 0 at a document's first token
+    (what a fresh document computes), y_t = C_t . h_t (Mamba's selective scan, RecurrentGemma's
+    RG-LRU with n = 1).
 
     Chunked, and exact, rather than token by token: every chunk is scanned from a zero state at
     once (q steps over (B, c, I, n) slices), the state entering each chunk is carried across
@@ -368,26 +389,25 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
     product of the chunk's decays (a zeroed decay stops it at a document start).
 
     Args:
-        u, dt: (B, S, I) inputs and time steps (after softplus), in the working dtype.
-        A: (I, n) negative. B, C: (B, S, n) in the working dtype.
+        log_decay, inputs: (B, S, I, n) in the working dtype; a log-decay of 0 (a zero token
+            of a tree layout's filling) carries the state through unchanged.
+        C: (B, S, n) in the working dtype.
         start: (B, S) bool, True where a document (or a padding run) starts.
         chunk: tokens per chunk, q.
         layout: tree rows, each chunk entering with the end state of the chunk its sources
-            name (:func:`_tree_selective_scan`).
+            name (``TreePlan.chunked``; ``start`` is then all False).
 
     Returns:
         (B, S, I) in the working dtype.
     """
-    batch, S, inner = u.shape
-    n = A.shape[-1]
-    decay = torch.exp(A * dt[..., None]).masked_fill(start[..., None, None], 0)  # (B, S, I, n)
-    inputs = (dt * u)[..., None] * B[:, :, None]  # (B, S, I, n)
+    batch, S, inner, n = inputs.shape
+    decay = torch.exp(log_decay).masked_fill(start[..., None, None], 0)  # (B, S, I, n)
     pad = (-S) % chunk
     if pad:  # tokens past the row's end: no decay, no input, no output
         decay, inputs = (F.pad(t, (0, 0, 0, 0, 0, pad)) for t in (decay, inputs))
         C = F.pad(C, (0, 0, 0, pad))
     c, q = (S + pad) // chunk, chunk
-    decay, inputs = (t.view(batch, c, q, inner, n) for t in (decay, inputs))
+    decay, inputs = (t.reshape(batch, c, q, inner, n) for t in (decay, inputs))
 
     # 1. each chunk from a zero state, all chunks at once, and the running product of its
     # decays (unbound, not indexed: a slice's backward would zero a whole (B, c, q, I, n) per step)
@@ -408,8 +428,8 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
 
     # 3. each token's state: its chunk's own part plus what entered the chunk, decayed to it
     states = torch.stack(local, 2) + torch.stack(through, 2) * torch.stack(entering, 1)[:, :, None]
-    y = states @ C.view(batch, c, q, n, 1)  # (B, c, q, I, 1)
-    return y.view(batch, c * q, inner)[:, :S]
+    y = states @ C.reshape(batch, c, q, n, 1)  # (B, c, q, I, 1)
+    return y.reshape(batch, c * q, inner)[:, :S]
 
 
 def mamba_one_pass(
