@@ -20,6 +20,7 @@ from flexpack.mixers import delta  # noqa: E402
 from flexpack.mixers._plan import DocumentPlan  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _onepass import close  # noqa: E402
 from _rows import documents, layout_ids  # noqa: E402
 from test_mixers import _model  # noqa: E402
 
@@ -79,10 +80,34 @@ def test_the_rule_on_packed_rows_equals_the_recurrence_per_document(layout):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
 
 
-def test_the_mixer_in_one_pass_equals_each_document_alone_with_gradients():
-    """The whole GatedDeltaNet (fp32): outputs, input and parameter gradients equal each
-    document run alone through the module's own forward (1e-5)."""
-    mixer = _model("gated_delta_rule").model.layers[0].linear_attn
+def _other_mixer(family: str) -> torch.nn.Module:
+    """Layer 0's GatedDeltaNet of a tiny Qwen3-Next (fused qkvz / ba projections) or OLMo
+    hybrid (separate q, k, v, a, b, g projections; beta doubled: allow_neg_eigval)."""
+    from flexpack.integrations._tiny import tiny_config
+
+    name, fields = {
+        "qwen3_next": ("Qwen3NextConfig", {}),
+        "olmo_hybrid": ("OlmoHybridConfig", {"linear_allow_neg_eigval": True}),
+    }[family]
+    config = tiny_config(getattr(transformers, name)())
+    for key, value in fields.items():
+        setattr(config, key, value)
+    config.layer_types = ["linear_attention", *config.layer_types[1:]]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    (path, _), *_ = [(p, k) for p, k in fm.mixers_of(model) if k == "gated_delta_rule"]
+    return model.get_submodule(path)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_next", "olmo_hybrid"])
+def test_the_mixer_in_one_pass_equals_each_document_alone_with_gradients(family):
+    """The whole GatedDeltaNet (fp32) of each structure: outputs, input and parameter
+    gradients equal each document run alone through the module's own forward (1e-5)."""
+    if family == "qwen3_5":
+        mixer = _model("gated_delta_rule").model.layers[0].linear_attn
+    else:
+        mixer = _other_mixer(family)
+    assert delta._fits(mixer, torch.zeros(1, 1, mixer.hidden_size))
     doc_ids = layout_ids(LAYOUTS["mixed"], 140)
     plan = DocumentPlan.from_doc_ids(doc_ids)
     g = torch.Generator().manual_seed(0)
@@ -101,9 +126,10 @@ def test_the_mixer_in_one_pass_equals_each_document_alone_with_gradients():
         want_x[b, a:e] = grads[0][0]
         want_p = [w + gp for w, gp in zip(want_p, grads[1:], strict=True)]
     torch.testing.assert_close(got[0], want_x, rtol=0, atol=1e-5)
-    names = [n for n, _ in mixer.named_parameters()]
-    for name, a, b in zip(names, got[1:], want_p, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=name)
+    # parameter gradients sum over every token (A_log, dt_bias: over 340 of them, in fp32 on
+    # both sides, through differently chunked rules): to 1e-3 of their largest element
+    for a, b in zip(got[1:], want_p, strict=True):
+        close(a, b, 1e-3)
 
 
 def test_one_document_per_row_equals_transformers_chunked_rule():

@@ -3,7 +3,8 @@
 
 Without fla, transformers runs ``torch_chunk_gated_delta_rule`` / ``chunk_kimi_delta_attention``
 and ``causal_conv1d_fn`` over the whole row: state and conv window cross documents. On that torch
-path flexpack runs a Qwen3.5-style GatedDeltaNet once over the whole packed rows
+path flexpack runs a GatedDeltaNet (Qwen3.5's, Qwen3-Next's or OLMo hybrid's projections)
+once over the whole packed rows
 (:func:`gated_delta_one_pass`: the conv's taps masked at document boundaries, and
 :func:`segment_chunk_gated_delta_rule`, transformers' chunked algorithm with the decay between
 two tokens of different documents set to zero and the state carried across a chunk cut where a
@@ -215,13 +216,28 @@ def _scan_chunks(
     return out.reshape(B, H, N * C, -1)
 
 
-_PARTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj")
+# the projections: Qwen3.5's separate q/k/v, z, b, a; Qwen3-Next's fused qkvz and ba (interleaved
+# per key head, taken apart by the module's own fix_query_key_value_ordering); OLMo hybrid's
+# q, k, v, a, b and its gate g (and o_norm / o_proj for norm / out_proj)
+_SEPARATE = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "norm", "out_proj")
+_FUSED = ("in_proj_qkvz", "in_proj_ba", "norm", "out_proj")
+_OLMO = ("q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "g_proj", "o_norm", "o_proj")
+
+
+def _has(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    return all(isinstance(getattr(module, n, None), torch.nn.Module) for n in names)
 
 
 def _fits(module: torch.nn.Module, x: Tensor) -> bool:
-    """Qwen3.5's GatedDeltaNet structure: separate q/k/v, z, b, a projections, a causal
-    depthwise conv1d, A_log and dt_bias, a gated norm and the output projection."""
-    if not all(isinstance(getattr(module, n, None), torch.nn.Module) for n in _PARTS):
+    """A GatedDeltaNet's structure: separate q/k/v, z, b, a projections (Qwen3.5), fused qkvz
+    and ba ones with ``fix_query_key_value_ordering`` (Qwen3-Next) or separate q, k, v, a, b,
+    g ones (OLMo hybrid, with ``allow_neg_eigval``), a causal depthwise conv1d, A_log and
+    dt_bias, a gated norm and the output projection."""
+    fused = _has(module, _FUSED) and callable(getattr(module, "fix_query_key_value_ordering", None))
+    olmo = _has(module, _OLMO) and isinstance(getattr(module, "allow_neg_eigval", None), bool)
+    if not (isinstance(getattr(module, "conv1d", None), torch.nn.Module) and (
+        _has(module, _SEPARATE) or fused or olmo
+    )):  # fmt: skip
         return False
     if x.shape[-1] != getattr(module, "hidden_size", None):
         return False
@@ -241,13 +257,32 @@ def _fits(module: torch.nn.Module, x: Tensor) -> bool:
     )  # fmt: skip
 
 
+def _projections(module: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q/k/v before the conv (B, S, 2 key_dim + value_dim), the norm's gate z (B, S, Hv, Dv),
+    beta, a (B, S, Hv)) of a GatedDeltaNet, from whichever projections it has."""
+    B, S, _ = x.shape
+    if _has(module, _SEPARATE):
+        z = module.in_proj_z(x).reshape(B, S, -1, module.head_v_dim)
+        return module.in_proj_qkv(x), z, module.in_proj_b(x).sigmoid(), module.in_proj_a(x)
+    if _has(module, _OLMO):
+        qkv = torch.cat([module.q_proj(x), module.k_proj(x), module.v_proj(x)], dim=-1)
+        beta = module.b_proj(x).sigmoid()
+        beta = beta * 2.0 if module.allow_neg_eigval else beta  # eigenvalues in [-1, 1]
+        return qkv, module.g_proj(x).reshape(B, S, -1, module.head_v_dim), beta, module.a_proj(x)
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(
+        module.in_proj_qkvz(x), module.in_proj_ba(x)
+    )
+    return torch.cat([t.reshape(B, S, -1) for t in (q, k, v)], dim=-1), z, b.sigmoid(), a
+
+
 def gated_delta_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
     """A GatedDeltaNet's forward over packed rows, documents kept apart, in one pass.
 
-    As Qwen3.5's ``forward`` without a cache (transformers 5.17 to 5.25): projections, the
-    causal conv with its taps masked at document boundaries, the gated delta rule by
-    :func:`segment_chunk_gated_delta_rule`, the gated norm and the output projection; padding
-    tokens give zeros.
+    As Qwen3.5's, Qwen3-Next's and OLMo hybrid's ``forward`` without a cache (transformers
+    5.17 to 5.25):
+    projections, the causal conv with its taps masked at document boundaries, the gated delta
+    rule by :func:`segment_chunk_gated_delta_rule`, the gated norm and the output projection;
+    padding tokens give zeros.
 
     Args:
         module: a GatedDeltaNet whose structure :func:`_fits` accepts.
@@ -262,19 +297,20 @@ def gated_delta_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan)
     from flexpack.mixers.conv import _masked_conv
 
     B, S, _ = x.shape
-    conv = module.conv1d
-    mixed = _masked_conv(conv, module.in_proj_qkv(x).transpose(1, 2), plan)
+    qkv, z, beta, a = _projections(module, x)
+    mixed = _masked_conv(module.conv1d, qkv.transpose(1, 2), plan)
     mixed = ACT2FN[module.activation](mixed).transpose(1, 2)  # (B, S, conv channels)
     q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(B, S, -1, module.head_k_dim)
     k = k.reshape(B, S, -1, module.head_k_dim)
     v = v.reshape(B, S, -1, module.head_v_dim)
-    z = module.in_proj_z(x).reshape(B, S, -1, module.head_v_dim)
-    beta = module.in_proj_b(x).sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(x).float() + module.dt_bias)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     core = plan.scan(segment_chunk_gated_delta_rule, q, k, v, g, beta)
-    core = module.norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    out = module.out_proj(core.reshape(B, S, -1))
+    norm, out_proj = (module.o_norm, module.o_proj) if _has(module, _OLMO) else (
+        module.norm, module.out_proj
+    )  # fmt: skip
+    core = norm(core.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    out = out_proj(core.reshape(B, S, -1))
     return out * plan.real[..., None].to(out.dtype)
 
 
@@ -282,9 +318,9 @@ GATED_DELTA_RULE = Room(
     "gated_delta_rule",
     functions=frozenset({"torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"}),
     varlen={"cu_seq_lens_q": "cu_seqlens", "seq_idx": "seq_idx"},
-    how="state and conv restart per document: one pass over the rows (torch, Qwen3.5's "
-    "structure), else documents run apart; fla's cu_seqlens and causal-conv1d's seq_idx "
-    "(kernels)",
+    how="state and conv restart per document: one pass over the rows (torch: Qwen3.5's, "
+    "Qwen3-Next's and OLMo hybrid's structures), else documents run apart; fla's cu_seqlens "
+    "and causal-conv1d's seq_idx (kernels)",
     one_pass=_one_pass.hook(gated_delta_one_pass, _fits),
 )
 
