@@ -176,10 +176,13 @@ def _computes_own_attention(cls: type) -> bool:
 
 
 def _own_attention(m: torch.nn.Module) -> bool:
-    # transformers' own verdict first: a model class it cannot switch to another attention
+    # transformers' own verdict first: a model class it cannot switch to another attention,
+    # unless what it took for attention is a recurrence (RWKV's RwkvSelfAttention), which its
+    # own kind answers for (adapted, or refused as linear_recurrence)
     can_set = getattr(type(m), "_can_set_attn_implementation", None)
     if callable(can_set) and hasattr(m, "config") and not can_set():
-        return True
+        named = [s for s in m.modules() if "attention" in _name(s).lower() and not _container(s)]
+        return not (named and all(_recurrent_fallback(s) for s in named))
     return (
         "attention" in _name(m).lower() and not _container(m) and _computes_own_attention(type(m))
     )
