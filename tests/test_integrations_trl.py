@@ -317,14 +317,17 @@ def test_grpo_on_hybrids_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path, 
 # every mixer kind with a tree form, beside the trained ones above
 SEAM_HYBRIDS = {**HYBRIDS, "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config",
                 "kimi_linear": "KimiLinearConfig", "jamba": "JambaConfig",
-                "minimax": "MiniMaxConfig", "zaya": "ZayaConfig"}  # fmt: skip
+                "minimax": "MiniMaxConfig", "zaya": "ZayaConfig",
+                "recurrent_gemma": "RecurrentGemmaConfig", "qwen3_next": "Qwen3NextConfig",
+                "olmo_hybrid": "OlmoHybridConfig", "xlstm": "xLSTMConfig"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", sorted(SEAM_HYBRIDS))
 def test_hybrid_per_token_logps_equal_trls_on_trees(tokenizer, tmp_path, kind):
     """Every mixer kind with a tree form (short conv, gated delta rule, KDA, Mamba2, Mamba,
-    lightning, CCA), groups of 3, 2 and 1 rows sharing a prompt, an empty completion: TRL's padded
-    log-probs and entropies from one tree forward, no fallback."""
+    lightning, CCA, RG-LRU, mLSTM; Qwen3-Next's and OLMo hybrid's delta nets), groups of 3, 2
+    and 1 rows sharing a prompt, an empty completion: TRL's padded log-probs and entropies from
+    one tree forward, no fallback."""
     from flexpack.integrations._tiny import tiny_config
 
     config = tiny_config(getattr(transformers, SEAM_HYBRIDS[kind])())
