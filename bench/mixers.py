@@ -5,21 +5,24 @@ layers: the mixer, then full attention), a training step (forward + backward) on
 packed rows:
 
 - ``own``: the model as a user of transformers runs packed rows (``attn_implementation="sdpa"``,
-  ``position_ids`` restarting per document, transformers' packed-sequence rule for attention,
-  its torch mixer over the whole row: the documents' states leak, the number is its speed only);
+  or its default for RWKV and xLSTM, which have no attention; ``position_ids`` restarting per
+  document, transformers' packed-sequence rule for attention, its torch mixer over the whole
+  row: the documents' states leak, the number is its speed only);
 - ``flexpack``: ``attn_implementation=register()`` with ``packed_forward_kwargs`` (the mixers
-  adapted; attention per document), twice: with every one pass declined (``per group``: the
-  module's own forward once per group of right-padded documents) and as it runs (``one
-  pass``: the whole rows at once, documents kept apart inside the computation).
+  adapted; attention per document; the attention-free families handed over as ``model=``),
+  twice: with every one pass declined (``per group``: the module's own forward once per group
+  of right-padded documents) and as it runs (``one pass``: the whole rows at once, documents
+  kept apart inside the computation).
 
 A second table splits the short conv (LFM2) three ways: its own torch path over the whole rows
 (leaking), flexpack's per-group calls of the module (the path every room has) and flexpack's
 one pass over the rows with the taps across document starts masked out (what the short-conv
 room runs now), for the whole model's step and for the conv layer alone.
 
-Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (about 1 minute on a quiet 2-core CPU; a word
-after it keeps only the families whose name has it, e.g. ``ZAYA``). Prints a markdown table;
-the ratios are own / one pass and per group / one pass (above 1: the one pass faster).
+Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (a few minutes on a quiet 2-core CPU, RWKV's
+own token loop the longest; a word after it keeps only the families whose name has it, e.g.
+``ZAYA``). Prints a markdown table; the ratios are own / one pass and per group / one pass
+(above 1: the one pass faster).
 """
 
 from __future__ import annotations
@@ -65,6 +68,17 @@ FAMILIES = {  # kind: (config class, kwargs)
     "rg_lru (RecurrentGemma)": ("RecurrentGemmaConfig", dict(
         block_types=["recurrent", "attention"], lru_width=128, conv1d_width=4,
         attention_window_size=512)),
+    "gated_delta_rule (Qwen3-Next)": ("Qwen3NextConfig", dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, num_experts=2, num_experts_per_tok=1,
+        moe_intermediate_size=64, shared_expert_intermediate_size=64)),
+    "gated_delta_rule (OLMo hybrid)": ("OlmoHybridConfig", dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4)),
+    "wkv + token shift (RWKV)": ("RwkvConfig", dict(attention_hidden_size=128)),
+    "mlstm (xLSTM)": ("xLSTMConfig", dict(embedding_dim=128, num_heads=4, num_blocks=2)),
     "cca_projection (ZAYA)": ("ZayaConfig", dict(
         layer_types=["hybrid", "hybrid"], num_experts=2, num_experts_per_tok=1,
         moe_intermediate_size=64, router_hidden_size=32, cca_time0=2, cca_time1=2)),
@@ -73,16 +87,34 @@ ROWS, MAX_LEN = 2, 512
 REPEATS = 3
 
 
+# families without attention: transformers loads them with its default (eager) implementation
+# only, and flexpack adapts their mixers when handed the model (packed_forward_kwargs(model=))
+NO_ATTENTION = ("RWKV", "xLSTM")
+
+
 def _model(kind: str, attn: str):
     import transformers
 
     name, kwargs = FAMILIES[kind]
     config = getattr(transformers, name)(**{**WIDTH, **kwargs}, num_hidden_layers=2)
-    config._attn_implementation = attn
+    if not any(n in kind for n in NO_ATTENTION):
+        config._attn_implementation = attn
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return transformers.AutoModelForCausalLM.from_config(config).train()
+
+
+def _flexpack_kwargs(model, batch) -> dict:
+    """``packed_forward_kwargs`` for ``model``: the model handed over (its mixers adapted; the
+    keywords its forward takes) where it has no attention."""
+    from flexpack.integrations.transformers import packed_forward_kwargs
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if getattr(model.config, "_attn_implementation", None) in (None, "eager"):
+            return packed_forward_kwargs(batch, model=model)
+        return packed_forward_kwargs(batch)
 
 
 def _rows():
@@ -181,7 +213,7 @@ def short_conv_paths(batch, own_kwargs) -> None:
 
 
 def main() -> None:
-    from flexpack.integrations.transformers import packed_forward_kwargs, register
+    from flexpack.integrations.transformers import register
 
     torch.set_num_threads(torch.get_num_threads())  # torch's default threads
     batch = _rows()
@@ -197,8 +229,13 @@ def main() -> None:
                   "use_cache": False}  # fmt: skip
     only = sys.argv[1] if len(sys.argv) > 1 else ""
     for kind in [k for k in FAMILIES if only in k]:
-        own = _step_time(_model(kind, "sdpa"), own_kwargs)
-        model, kwargs = _model(kind, register()), packed_forward_kwargs(batch)
+        own_model = _model(kind, "sdpa")
+        own_call = {k: v for k, v in own_kwargs.items() if k != "position_ids"} if any(
+            n in kind for n in NO_ATTENTION
+        ) else own_kwargs  # fmt: skip
+        own = _step_time(own_model, own_call)
+        model = _model(kind, register())
+        kwargs = _flexpack_kwargs(model, batch)
         grouped = _per_group_step(model, kwargs)
         ours = _step_time(model, kwargs)
         print(f"| {kind} | {own:.3f} | {grouped:.3f} | {ours:.3f} | {own / ours:.2f}x "
