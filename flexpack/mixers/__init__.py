@@ -17,8 +17,10 @@ model start each document afresh, per model instance and reversibly (:func:`rest
 
 One room per kind: :mod:`~flexpack.mixers.delta` (gated delta rule, KDA),
 :mod:`~flexpack.mixers.ssm` (Mamba2, Mamba), :mod:`~flexpack.mixers.conv` (short convs, ZAYA's
-convolutional q/k/v projection),
-:mod:`~flexpack.mixers.linear` (lightning attention). Calls with a cache (``generate()``) run the
+convolutional q/k/v projection), :mod:`~flexpack.mixers.linear` (lightning attention),
+:mod:`~flexpack.mixers.rglru` (RecurrentGemma's conv + RG-LRU block),
+:mod:`~flexpack.mixers.rwkv` (RWKV's WKV time mix and token shifts),
+:mod:`~flexpack.mixers.xlstm` (xLSTM's mLSTM layer). Calls with a cache (``generate()``) run the
 module's own forward unchanged: a prompt is one document per row (packed rows with a cache are
 exact but leave the cache without their state, with a warning).
 ``flexpack.integrations.transformers.register()``'s models are adapted at their first forward.
