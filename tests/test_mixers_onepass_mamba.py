@@ -32,7 +32,7 @@ from flexpack.mixers import ssm  # noqa: E402
 from flexpack.mixers._plan import DocumentPlan  # noqa: E402
 
 # model type -> (config class, fields set on its tiny config): every Mamba (1) family of
-# transformers 5.25 that mamba_one_pass takes (Zamba's multi-head mixer keeps the per-group calls)
+# transformers 5.25 that mamba_one_pass takes (Zamba's multi-head mixer: test_mixers_onepass_zamba)
 KINDS = {
     "mamba": ("MambaConfig", {}),
     "jamba": ("JambaConfig", {"mamba_dt_rank": 8}),
@@ -219,7 +219,8 @@ def test_float64_rows_and_a_padding_mask_keep_the_per_group_calls(monkeypatch):
 
 def test_a_mixer_built_otherwise_fails_closed():
     """A class whose forward is not the one pass's (here: the output doubled) fails its
-    self-check and keeps the per-group calls; Zamba's multi-head mixer does not fit at all."""
+    self-check and keeps the per-group calls; Zamba's multi-head mixer is not Mamba's structure
+    but its own (zamba_mamba_one_pass takes it)."""
     model = _model("mamba", torch.float32)
     mixer = _mixer(model)
     plain = type(mixer)
@@ -236,8 +237,10 @@ def test_a_mixer_built_otherwise_fails_closed():
     assert ssm.MAMBA.one_pass(mixer, own, x, plan, {}) is None
     assert ssm.MAMBA.one_pass.verified[Doubled] is False
 
-    zamba = transformers.models.zamba.modeling_zamba.ZambaMambaMixer
-    assert not ssm._mamba_parts(zamba(tiny_config(transformers.ZambaConfig()), 0))
+    zamba = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(
+        tiny_config(transformers.ZambaConfig()), 0
+    )
+    assert not ssm._mamba_parts(zamba) and ssm._zamba_parts(zamba)
 
 
 @st.composite

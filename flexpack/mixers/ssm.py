@@ -7,9 +7,10 @@ runs a mixer once over the whole packed rows, from the module's own submodules, 
 window and the SSM state restarting at every document start: a Mamba2 mixer through
 :func:`mamba2_one_pass` (the chunked SSD scan with its decays masked to same-document pairs), a
 Mamba (1) mixer through :func:`mamba_one_pass` (the selective scan with its decay zeroed at
-document starts, chunked so that its Python loops run about 2 sqrt(S) steps, not S); a class
-whose structure or behaviour differs (Zamba's multi-head mixer) runs once per group of
-right-padded documents instead, so each starts from a zero state. With mamba_ssm and
+document starts, chunked so that its Python loops run about 2 sqrt(S) steps, not S), Zamba's
+multi-head Mamba (1) mixer through :func:`zamba_mamba_one_pass` (that scan, each head a row of
+its own); a class whose structure or behaviour differs runs once per group of right-padded
+documents instead, so each starts from a zero state. With mamba_ssm and
 causal-conv1d (on CUDA), Mamba2 mixers forward ``seq_idx`` to
 ``mamba_split_conv1d_scan_combined`` / ``mamba_chunk_scan_combined`` and ``causal_conv1d_fn``:
 the rows are flattened and handed the segment index. Mamba (1) scans have no varlen argument in
@@ -34,7 +35,7 @@ from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, _closure, hub_functions
 from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
 
-__all__ = ["mamba2_one_pass", "mamba_one_pass"]
+__all__ = ["mamba2_one_pass", "mamba_one_pass", "zamba_mamba_one_pass"]
 
 # keywords of the module's forward that would change what the one pass computes: a cache (its
 # names across releases), a padding mask, a scan's initial or returned state, the kernels' own
@@ -304,7 +305,7 @@ def _mamba_parts(module: torch.nn.Module) -> bool:
     causal depthwise ``conv1d`` over x, ``x_proj`` -> dt, B, C (optionally normalised by
     ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``), ``dt_proj``, the selective scan from
     ``A_log`` (I, n) and ``D`` (I,), ``out_proj``? Zamba's mixer (per-head ``x_proj_weight``
-    parameters) and a quantised config (its ``dt_proj`` detour) are not."""
+    parameters: :func:`_zamba_parts`) and a quantised config (its ``dt_proj`` detour) are not."""
     from flexpack.mixers.conv import _depthwise  # conv.py imports this module
 
     sizes = [getattr(module, name, None) for name in _MAMBA_SIZES]
@@ -509,16 +510,189 @@ def mamba_one_pass(
     return out * plan.real[..., None].to(out.dtype)
 
 
-def _mamba_fits(module: torch.nn.Module, x: Tensor) -> bool:
-    """A Mamba (1) mixer (:func:`_mamba_parts`) on the torch path (no function of its class
-    runs mamba_ssm's or causal-conv1d's kernel: those keep the per-group calls) on rows of its
-    width, at most float32 wide: the module's own scan rounds float64 to float32, and only the
-    per-group calls reproduce its numbers to float64's precision."""
+# what zamba_mamba_one_pass reads of Zamba's multi-head Mamba (1) mixer besides its submodules
+# and parameters (transformers 5.25's ZambaMambaMixer): heads of p channels, each with its own
+# x_proj, dt_proj, A_log and D
+_ZAMBA_SIZES = ("intermediate_size", "ssm_state_size", "time_step_rank", "n_mamba_heads",
+                "mamba_head_dim")  # fmt: skip
+
+
+def _zamba_parts(module: torch.nn.Module) -> bool:
+    """Is ``module`` built as Zamba's multi-head Mamba (1) mixer: ``in_proj`` -> (x, gate)
+    interleaved channel by channel, a causal depthwise ``conv1d`` over x, per head h of p
+    channels ``x_proj_weight`` (h, r + 2n, p) -> dt, B, C, ``dt_proj_weight`` (h, p, r) and
+    ``dt_proj_bias`` (h, p), the selective scan from ``A_log`` (h, p, n) and ``D`` (h, p),
+    ``out_proj``?"""
+    from flexpack.mixers.conv import _depthwise  # conv.py imports this module
+
+    sizes = [getattr(module, name, None) for name in _ZAMBA_SIZES]
+    if not all(isinstance(v, int) and v > 0 for v in sizes):
+        return False
+    inner, state, rank, heads, p = sizes
+    in_proj = getattr(module, "in_proj", None)
+    # conv.py's check of a causal depthwise conv between two projections, on conv1d
+    conv = _depthwise(SimpleNamespace(conv=getattr(module, "conv1d", None), in_proj=in_proj,
+                                      out_proj=getattr(module, "out_proj", None)))  # fmt: skip
+    weight = getattr(in_proj, "weight", None)
+    shapes = {
+        "x_proj_weight": (heads, rank + 2 * state, p),
+        "dt_proj_weight": (heads, p, rank),
+        "A_log": (heads, p, state),
+        "D": (heads, p),
+    }
+    bias = getattr(module, "dt_proj_bias", None)
+    return (
+        conv is not None
+        and heads * p == inner == conv.in_channels
+        and isinstance(weight, Tensor)
+        and weight.dim() == 2
+        and weight.shape[0] == 2 * inner
+        and all(
+            isinstance(t := getattr(module, name, None), Tensor) and t.shape == shape
+            for name, shape in shapes.items()
+        )
+        and (bias is None or (isinstance(bias, Tensor) and bias.shape == (heads, p)))
+        and callable(getattr(module, "act", None))
+    )
+
+
+def _heads_selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, start: Tensor,
+                          chunk: int, layout: ChunkLayout | None = None) -> Tensor:  # fmt: skip
+    """:func:`_selective_scan` with heads, each with its own A, B and C (Zamba): h_t = exp(A dt_t)
+    h_{t-1} + dt_t B_t u_t, y_t = C_t . h_t per head, the state restarting wherever ``start``.
+    The heads run as rows of their own through :func:`diagonal_scan` (a tree layout's sources
+    repeated for each head's row).
+
+    Args:
+        u, dt: (B, S, h, p) inputs and time steps (after softplus), in the working dtype.
+        A: (h, p, n) negative. B, C: (B, S, h, n) in the working dtype.
+        start: (B, S) bool, True where a document (or a padding run) starts.
+        chunk: tokens per chunk, q.
+        layout: tree rows (``TreePlan.chunked``; ``start`` is then all False).
+
+    Returns:
+        (B, S, h, p) in the working dtype.
+    """
+    batch, S, heads, p = u.shape
+    n = A.shape[-1]
+    u, dt, B, C = (t.transpose(1, 2).reshape(batch * heads, S, -1) for t in (u, dt, B, C))
+    log_decay = (dt.view(batch, heads, S, p, 1) * A[:, None]).view(batch * heads, S, p, n)
+    inputs = (dt * u)[..., None] * B[:, :, None]  # (B h, S, p, n)
+    if layout is not None:  # row b's chunk sources, for each of its heads' rows
+        layout = layout._replace(sources=[row for row in layout.sources for _ in range(heads)])
+    y = diagonal_scan(log_decay, inputs, C, start.repeat_interleave(heads, 0), chunk, layout)
+    return y.view(batch, heads, S, p).transpose(1, 2)
+
+
+def zamba_mamba_one_pass(
+    module: torch.nn.Module, x: Tensor, plan: DocumentPlan, *, chunk: int | None = None
+) -> Tensor:
+    """Zamba's multi-head Mamba (1) mixer's forward over packed rows, documents kept apart, in
+    one pass.
+
+    ``in_proj`` -> x, gate (interleaved channel by channel) -> causal depthwise ``conv1d`` +
+    activation of x -> per head: ``x_proj_weight`` -> dt, B, C -> softplus(``dt_proj_weight``
+    dt + ``dt_proj_bias``) -> the selective scan (A = -exp(``A_log``), ``D`` skip) gated by
+    silu(gate) -> the heads side by side -> ``out_proj``, as transformers 5.25's
+    ``ZambaMambaMixer`` on the torch path without a cache, where a conv tap reaches token t - j
+    only inside t's document and every head's decay is zero at every document start (its state
+    restarts from zero there); padding tokens give zeros. On prefix trees each head's state
+    forks at the end of a shared segment (:meth:`TreePlan.chunked`).
+
+    The scan runs in float32 for float32 and narrower rows (as the module's own does) and in
+    float64 for float64 rows (the module's own rounds A, B, x, D and the dt bias to float32).
+
+    Args:
+        module: Zamba's mixer (:func:`_zamba_parts` accepts its structure).
+        x: (B, S, H) hidden states of packed rows.
+        plan: the rows' documents (or trees).
+        chunk: tokens per chunk of the scan (default: ceil(sqrt(S))); any gives the same
+            numbers up to rounding.
+
+    Returns:
+        (B, S, H) in the dtype ``module``'s own forward returns.
+
+    Example:
+        >>> import torch, transformers
+        >>> _ = torch.manual_seed(0)
+        >>> from flexpack.mixers._plan import DocumentPlan
+        >>> from flexpack.mixers.ssm import zamba_mamba_one_pass
+        >>> config = transformers.ZambaConfig(hidden_size=16, mamba_d_state=4, mamba_expand=2,
+        ...     mamba_dt_rank=4, n_mamba_heads=2, num_hidden_layers=1,
+        ...     layers_block_type=["linear_attention"])
+        >>> mixer = transformers.models.zamba.modeling_zamba.ZambaMambaMixer(config, 0)
+        >>> plan = DocumentPlan.from_doc_ids(torch.tensor([[0, 0, 0, 1, 1, -1]]))
+        >>> x = torch.randn(1, 6, 16)
+        >>> out = zamba_mamba_one_pass(mixer, x, plan)
+        >>> torch.allclose(out[:, 3:5], mixer(x[:, 3:5]), atol=1e-5), out[0, 5].abs().max().item()
+        (True, 0.0)
+    """
+    from flexpack.mixers.conv import _masked_conv  # conv.py imports this module
+
+    dtype, (batch, S, _) = x.dtype, x.shape
+    heads, p = module.n_mamba_heads, module.mamba_head_dim
+    n, rank = module.ssm_state_size, module.time_step_rank
+    h, gate = module.in_proj(x).view(batch, S, heads * p, 2).unbind(-1)  # (B, S, I) each
+    h = _masked_conv(module.conv1d, h.transpose(1, 2), plan)  # (B, I, S)
+    h = module.act(h)
+    # each head's projections as the module computes them: (h, 1, ., p) @ (h, B, p, S)
+    u = h.view(batch, heads, p, S).transpose(0, 1)  # (h, B, p, S)
+    dt, B, C = (module.x_proj_weight[:, None] @ u).split([rank, n, n], dim=2)
+    dt = module.dt_proj_weight[:, None] @ dt  # (h, B, p, S)
+    if module.dt_proj_bias is not None:
+        dt = dt + module.dt_proj_bias.to(dt.dtype)[:, None, :, None]
+
+    work = torch.promote_types(dtype, torch.float32)
+    dt = F.softplus(dt).permute(1, 3, 0, 2).to(work)  # (B, S, h, p)
+    B, C = (t.permute(1, 3, 0, 2).to(work) for t in (B, C))  # (B, S, h, n)
+    u = u.permute(1, 3, 0, 2)  # (B, S, h, p)
+    A = -torch.exp(module.A_log.to(work))  # (h, p, n)
+
+    def scan(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, segment: Tensor) -> Tensor:
+        start = torch.ones_like(segment, dtype=torch.bool)
+        start[:, 1:] = segment[:, 1:] != segment[:, :-1]
+        return _heads_selective_scan(u, dt, A, B, C, start, chunk or _selective_chunk(S))
+
+    def tree(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, plan: TreePlan) -> Tensor:
+        def forked(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, layout: ChunkLayout) -> Tensor:
+            start = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
+            return _heads_selective_scan(u, dt, A, B, C, start, q, layout=layout)
+
+        q = chunk or _selective_chunk(S)
+        return plan.chunked(forked, q, u, dt, B, C)
+
+    scan.tree = tree
+    y = plan.scan(scan, u.to(work), dt, B, C)  # (B, S, h, p)
+    # the module's scan output is in the conv's dtype (bf16 rows or autocast: rounded), its D
+    # skip (D in float32) and gate promote it back to float32
+    y = (y.to(u.dtype) + u * module.D.to(work)) * F.silu(gate.view(batch, S, heads, p))
+    out = module.out_proj(y.reshape(batch, S, heads * p).to(dtype))  # (B, S, H)
+    return out * plan.real[..., None].to(out.dtype)
+
+
+def _mamba1_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
+    """The Mamba (1) room's one pass: :func:`zamba_mamba_one_pass` for Zamba's multi-head
+    structure (:func:`_zamba_parts`), else :func:`mamba_one_pass`."""
+    fn = zamba_mamba_one_pass if _zamba_parts(module) else mamba_one_pass
+    return fn(module, x, plan)
+
+
+def _mamba_fits(module: torch.nn.Module, x: Tensor, parts=_mamba_parts) -> bool:
+    """A Mamba (1) mixer (``parts``: :func:`_mamba_parts`, or :func:`_zamba_parts` for Zamba's)
+    on the torch path (no function of its class runs mamba_ssm's or causal-conv1d's kernel:
+    those keep the per-group calls) on rows of its width, at most float32 wide: the module's own
+    scan rounds float64 to float32, and only the per-group calls reproduce its numbers to
+    float64's precision."""
     if not x.is_floating_point() or torch.finfo(x.dtype).bits > 32:
         return False
-    if not _mamba_parts(module) or x.shape[-1] != module.in_proj.weight.shape[1]:
+    if not parts(module) or x.shape[-1] != module.in_proj.weight.shape[1]:
         return False
     return not any(_closure(f)["is_new_implementation"] for f in hub_functions(module).values())
+
+
+def _mamba1_fits(module: torch.nn.Module, x: Tensor) -> bool:
+    """:func:`_mamba_fits` for either structure: Mamba's, Jamba's, Falcon-Mamba's or Zamba's."""
+    return _mamba_fits(module, x) or _mamba_fits(module, x, _zamba_parts)
 
 
 MAMBA = Room(
@@ -528,7 +702,7 @@ MAMBA = Room(
     how="scan and conv restart per document: one pass over the rows with the decays at "
     "document starts zeroed and taps across them masked (torch), else documents run apart; "
     "documents run apart (kernels: mamba_ssm has no varlen argument)",
-    one_pass=_one_pass.hook(mamba_one_pass, _mamba_fits, changes=_CHANGES_THE_SCAN),
+    one_pass=_one_pass.hook(_mamba1_one_pass, _mamba1_fits, changes=_CHANGES_THE_SCAN),
 )
 
 ROOMS = (MAMBA2, MAMBA)
