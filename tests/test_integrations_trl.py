@@ -66,7 +66,8 @@ def tiny(kind: str = "llama", seed: int = 0):
 
 # short convs (LFM2), gated delta rule + conv (Qwen3.5), Mamba2 + conv (Bamba; Nemotron-H,
 # Falcon-H1 and Granite 4 share the room)
-HYBRIDS = {"lfm2": "Lfm2Config", "qwen3_5": "Qwen3_5TextConfig", "bamba": "BambaConfig"}
+HYBRIDS = {"lfm2": "Lfm2Config", "qwen3_5": "Qwen3_5TextConfig", "bamba": "BambaConfig",
+           "falcon_h1": "FalconH1Config"}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -315,19 +316,25 @@ def test_grpo_on_hybrids_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path, 
 
 
 # every mixer kind with a tree form, beside the trained ones above
-SEAM_HYBRIDS = {**HYBRIDS, "nemotron_h": "NemotronHConfig", "falcon_h1": "FalconH1Config",
+SEAM_HYBRIDS = {**HYBRIDS, "nemotron_h": "NemotronHConfig",
                 "kimi_linear": "KimiLinearConfig", "jamba": "JambaConfig",
                 "minimax": "MiniMaxConfig", "zaya": "ZayaConfig",
                 "recurrent_gemma": "RecurrentGemmaConfig", "qwen3_next": "Qwen3NextConfig",
-                "olmo_hybrid": "OlmoHybridConfig", "xlstm": "xLSTMConfig"}  # fmt: skip
+                "olmo_hybrid": "OlmoHybridConfig", "xlstm": "xLSTMConfig",
+                # no attention at all: nothing to switch, the mixers read the trees
+                "rwkv": "RwkvConfig", "mamba": "MambaConfig", "mamba2": "Mamba2Config",
+                "falcon_mamba": "FalconMambaConfig"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", sorted(SEAM_HYBRIDS))
 def test_hybrid_per_token_logps_equal_trls_on_trees(tokenizer, tmp_path, kind):
     """Every mixer kind with a tree form (short conv, gated delta rule, KDA, Mamba2, Mamba,
-    lightning, CCA, RG-LRU, mLSTM; Qwen3-Next's and OLMo hybrid's delta nets), groups of 3, 2
+    lightning, CCA, RG-LRU, mLSTM, WKV; Qwen3-Next's and OLMo hybrid's delta nets; the
+    attention-free RWKV, Mamba, Mamba2, Falcon-Mamba and xLSTM as they are), groups of 3, 2
     and 1 rows sharing a prompt, an empty completion: TRL's padded log-probs and entropies from
-    one tree forward, no fallback."""
+    one tree forward, no fallback. (TRL's path runs second, on the model the tree forward
+    adapted: RWKV's and xLSTM's own forwards ignore attention_mask, so left padding would
+    enter their state.)"""
     from flexpack.integrations._tiny import tiny_config
 
     config = tiny_config(getattr(transformers, SEAM_HYBRIDS[kind])())
@@ -341,6 +348,41 @@ def test_hybrid_per_token_logps_equal_trls_on_trees(tokenizer, tmp_path, kind):
     torch.testing.assert_close(lp, want_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent, want_ent, atol=1e-5, rtol=0)
     assert trainer.flexpack_stats.calls == 1 and trainer.flexpack_stats.fallbacks == 0
+
+
+def test_grpo_on_rwkv_without_attention_trains_on_trees_as_trl(tokenizer, tmp_path):
+    """RWKV has no attention: construction and train() leave it eager (nothing to switch; it
+    was refused as unswitchable) and its WKV and token shifts fork on the trees. 2 steps, 2
+    iterations, accumulation 2, SGD: losses and weights equal TRL's own trainer (1e-5), every
+    log-prob forward a tree. TRL's model is adapted by flexpack.mixers too: RWKV's own forward
+    ignores attention_mask, so left-padded prompts would carry their padding in its state."""
+    from flexpack import mixers
+    from flexpack.integrations._tiny import tiny_config
+
+    config = tiny_config(transformers.RwkvConfig())
+    config.vocab_size, config.pad_token_id, config.eos_token_id = V + 3, PAD, EOS
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, n) for n in (5, 9, 3, 7)]})
+    runs = {}
+    for name, cls in (("trl", trl.GRPOTrainer), ("flexpack", ftrl.GRPOTrainer)):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        if name == "trl":
+            mixers.adapt(model)
+        args = grpo_args(tmp_path / name, beta=0.0, optim="sgd", learning_rate=0.1,
+                         model_init_kwargs=None)  # fmt: skip
+        trainer = cls(model=model, reward_funcs=reward, train_dataset=data, args=args,
+                      processing_class=tokenizer)  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer)
+    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-5, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-5, rtol=0, msg=k)
+    assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
+    assert ours.model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("kind", ["bamba", "qwen3_5"])
@@ -420,6 +462,38 @@ def test_moe_with_router_aux_loss_trains_on_trees_as_trl(model_dir, tokenizer, t
         got_w, want_w = weights(got.model), weights(want.model)
         for k in want_w:
             torch.testing.assert_close(got_w[k], want_w[k], atol=1e-5, rtol=0, msg=k)
+
+
+def test_rloo_on_a_hybrid_trains_on_trees_as_trl(model_dir, tokenizer, tmp_path):
+    """RLOO on Qwen3.5 (gated delta rule + attention), 2 steps with a reference model, 2
+    iterations and accumulation 2: losses and weights equal TRL's own RLOOTrainer (1e-4; SGD:
+    Adam turns float noise on a ~0 gradient into a step of ~lr), every log-prob forward a tree
+    (no fallback)."""
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, n) for n in (5, 9, 3, 7)]})
+    runs = {}
+    for name, cls in (("trl", trl.RLOOTrainer), ("flexpack", ftrl.RLOOTrainer)):
+        args = trl.RLOOConfig(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
+            max_completion_length=6, use_cpu=True, bf16=False, report_to=[], beta=0.1,
+            num_iterations=2, gradient_accumulation_steps=2, max_steps=2, seed=0,
+            logging_steps=1, save_strategy="no", optim="sgd", learning_rate=0.1,
+            model_init_kwargs={"dtype": torch.float32},
+        )  # fmt: skip
+        trainer = cls(
+            model=str(model_dir / "qwen3_5"), reward_funcs=reward, train_dataset=data,
+            args=args, processing_class=tokenizer,
+        )  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer.train()
+        runs[name] = (losses(trainer), weights(trainer.model), trainer)
+    (want, want_w, _), (got, got_w, ours) = runs["trl"], runs["flexpack"]
+    assert len(got) == len(want) == 2
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0, msg=k)
+    assert ours.flexpack_stats.calls >= 6 and ours.flexpack_stats.fallbacks == 0
 
 
 def test_rloo_shares_the_seam(model_dir, tokenizer, tmp_path):

@@ -41,6 +41,7 @@ __all__ = [
     "VERIFIED_TRANSFORMERS",
     "MixerKind",
     "check",
+    "has_attention",
     "kinds",
     "mixers_of",
     "refusal",
@@ -96,6 +97,7 @@ def register_kind(
     kind = MixerKind(name, matches, exact, why)
     _KINDS[:] = [kind] + [k for k in _KINDS if (k.name, k.exact) != (name, exact)]
     _checked.clear()
+    _attention.clear()
     return kind
 
 
@@ -418,6 +420,65 @@ def stateful_left(model: torch.nn.Module, adapted: Callable[[torch.nn.Module], b
         for path, kind in _matches(model)
         if not kind.exact and kind.name in STATEFUL_KINDS and not inside_adapted(path)
     ]
+
+
+_attention: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> has_attention
+
+# What a module's class calls when it attends: transformers' AttentionInterface (and the
+# functions behind it), or torch's and flash-attn's kernels directly.
+_ATTENTION_CALLS = ("ALL_ATTENTION_FUNCTIONS", "attention_interface", "_attention_forward",
+                    "scaled_dot_product_attention", "flash_attn")  # fmt: skip
+
+
+@functools.cache
+def _calls_attention(cls: type) -> bool:
+    """Whether the class that gives ``cls`` its ``forward`` calls an attention function."""
+    owner = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
+    if owner is None or owner.__module__.startswith("torch."):
+        return False
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError):
+        return False
+    return any(s in source for s in _ATTENTION_CALLS)
+
+
+def _stateful(m: torch.nn.Module) -> bool:
+    # a recurrent / conv mixer by its structure, adapted by flexpack.mixers or not
+    return any(k.matches(m) for k in _KINDS if not k.exact and k.name in STATEFUL_KINDS)
+
+
+def has_attention(model: torch.nn.Module) -> bool:
+    """Whether ``model`` mixes tokens by attention anywhere outside its vision / audio towers:
+    a module that calls an attention function (transformers' AttentionInterface, SDPA), one
+    named attention that no recurrent kind claims, or attention written out in the model's
+    code (``own_attention``). RWKV's ``RwkvSelfAttention`` is a recurrence (its kind claims
+    it): RWKV, Mamba, Mamba2, Falcon-Mamba and xLSTM have no attention. Kept per model.
+
+    Example:
+        >>> import torch
+        >>> has_attention(torch.nn.Sequential(torch.nn.MultiheadAttention(4, 1)))
+        True
+        >>> has_attention(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+        False
+    """
+    found = _attention.get(model)
+    if found is None:
+        towers, inside, found = _towers(model), [], False
+        for path, m in model.named_modules():
+            if id(m) in towers or any(path.startswith(p + ".") for p in inside):
+                continue
+            if _stateful(m):  # what it holds is part of the recurrence
+                inside.append(path)
+            elif (
+                _calls_attention(type(m))
+                or (not _container(m) and "attention" in _name(m).lower())
+                or _own_attention(m)
+            ):
+                found = True
+                break
+        _attention[model] = found
+    return found
 
 
 _seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # attention module -> ref(model)

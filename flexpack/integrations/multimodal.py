@@ -50,6 +50,7 @@ from torch import Tensor
 
 from flexpack._choices import OVERFLOWS
 from flexpack._tensor_cache import all_match, on_clear, stamps
+from flexpack.integrations._mixers_check import has_attention
 from flexpack.packing import DocsPerRow, PackStats, pack
 
 __all__ = ["MultimodalRows", "collate_multimodal", "pack_multimodal"]
@@ -112,8 +113,11 @@ def _runs_flexpack_attention(model: Any) -> bool | None:
 
 def warn_without_flexpack_attention(model: Any, what: str) -> None:
     """Warn when packed rows are made for, or fed to, a model whose attention ignores doc_ids:
-    its documents would attend to each other (0.52 off on Qwen2-VL, silently)."""
+    its documents would attend to each other (0.52 off on Qwen2-VL, silently). A model without
+    attention (RWKV, Mamba, xLSTM: its recurrent mixers read the doc_ids) has none to warn of."""
     if _runs_flexpack_attention(model) is not False:
+        return
+    if isinstance(model, torch.nn.Module) and not has_attention(model):
         return
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -268,9 +268,9 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
             Mamba2, Falcon-Mamba) get their mixers adapted (:func:`flexpack.mixers.adapt`), models
             whose attention is their own code (GPT-1, XLM, CPM-Ant) are refused with a
             ValueError. Without it those few families see the documents of a row run into each
-            other (docs/supported_models.md lists them). A ``UserWarning`` if its attention is not
-            flexpack's (any other ``attn_implementation`` ignores ``doc_ids``). Load it with
-            ``attn_implementation=register()``.
+            other (docs/supported_models.md lists them). A ``UserWarning`` if it has attention
+            and that is not flexpack's (any other ``attn_implementation`` ignores ``doc_ids``;
+            RWKV, Mamba and xLSTM have none). Load it with ``attn_implementation=register()``.
 
     Returns:
         ``{"input_ids": (R, S) int64, "position_ids": (R, S) int64, "doc_ids": (R, S) int32,

@@ -26,7 +26,8 @@ forward around it (gradient reduction, unsharding). DeepSpeed ZeRO-3 is refused 
 
 The model may come with any ``attn_implementation``: each tree forward switches it to flexpack's
 on that model instance and back (``model.set_attn_implementation``), so generation and the
-rest of training keep the user's. An MoE model's router load-balancing loss is computed over
+rest of training keep the user's (a model without attention, RWKV, Mamba or xLSTM, keeps its
+own: it has nothing to switch). An MoE model's router load-balancing loss is computed over
 the trees' tokens, each weighed by the rollouts that share it, which is the loss over TRL's
 padded rows. Rows TRL pads some other way (multimodal inputs, completion masks with holes,
 DPO's WPO weighting, rows without completion tokens when the router loss is on) take TRL's own
@@ -52,6 +53,7 @@ import torch
 from torch import Tensor
 
 from flexpack import mixers
+from flexpack.integrations._mixers_check import has_attention
 from flexpack.mixers import TreeRefused
 from flexpack.trees import PaddedTrees, RolloutLogps, pack_padded, rollout_logps
 
@@ -90,9 +92,10 @@ def _import_trl():
 
 @contextlib.contextmanager
 def _attn_implementation(model: Any, name: str) -> Iterator[None]:
-    """``model`` runs attention through ``name`` inside the block, and as before after it."""
+    """``model`` runs attention through ``name`` inside the block, and as before after it. A model
+    without attention (RWKV, Mamba, xLSTM) has nothing to switch: it runs as it is."""
     before = model.config._attn_implementation
-    if before == name:
+    if before == name or not has_attention(model):
         yield
         return
     model.set_attn_implementation(name)
@@ -113,6 +116,8 @@ def _check_switchable(model: Any, what: str) -> None:
             f"{type(model).__name__}; use trl's own trainer for other models."
         )
     target = _inner(model)
+    if not has_attention(target):
+        return  # nothing to switch: its mixers read the trees from the call's sources
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with _attn_implementation(target, name):
@@ -350,6 +355,7 @@ def tree_logps(
     )
     if (
         inner.config._attn_implementation != name
+        and has_attention(inner)
         and torch.is_grad_enabled()
         and getattr(inner, checkpointing, False)
     ):

@@ -1,0 +1,76 @@
+"""Models without attention (RWKV, Mamba, Mamba2, Falcon-Mamba, xLSTM) on packed rows.
+
+Their token mixers are recurrences flexpack.mixers adapts, so the attention implementation they
+were loaded with (eager) says nothing about packing: ``packed_forward_kwargs(batch, model=...)``
+does not warn that "documents would attend to each other", and each document of the packed row
+gets the logits it gets alone. A model with attention loaded eager still warns. References are
+the tiny models run on each document alone, before flexpack adapted them.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flexpack  # noqa: E402
+from flexpack.integrations._mixers_check import has_attention  # noqa: E402
+from flexpack.integrations._tiny import tiny_config  # noqa: E402
+from flexpack.integrations.transformers import packed_forward_kwargs  # noqa: E402
+
+ATTENTION_FREE = {"rwkv": "RwkvConfig", "mamba": "MambaConfig", "mamba2": "Mamba2Config",
+                  "falcon_mamba": "FalconMambaConfig", "xlstm": "xLSTMConfig"}  # fmt: skip
+# plain attention, attention beside Mamba layers, attention written out in the model's code
+WITH_ATTENTION = {"llama": "LlamaConfig", "jamba": "JambaConfig", "openai-gpt": "OpenAIGPTConfig"}
+
+
+def tiny(config_name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = tiny_config(getattr(transformers, config_name)(), "eager")
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def documents() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(3, 60, (n,), generator=g) for n in (11, 14, 9)]
+
+
+@pytest.mark.parametrize("kind", sorted(ATTENTION_FREE))
+def test_attention_free_eager_model_packs_without_a_warning_as_each_document_alone(kind):
+    """Three documents and padding in one row of an eager-loaded model without attention: no
+    warning at all (warnings are errors here), each document's logits equal it run alone."""
+    model = tiny(ATTENTION_FREE[kind])
+    assert model.config._attn_implementation == "eager" and not has_attention(model)
+    docs = documents()
+    with torch.no_grad():
+        alone = [model(input_ids=d[None], use_cache=False).logits[0] for d in docs]
+    batch = flexpack.pack_sequences(docs, max_len=40, strategy="greedy")  # 34 tokens, 6 padding
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        packed = model(**packed_forward_kwargs(batch, model=model)).logits[0]
+    start = 0
+    for d, want in zip(docs, alone, strict=True):
+        torch.testing.assert_close(packed[start : start + len(d)], want, atol=1e-5, rtol=0)
+        start += len(d)
+
+
+def test_eager_model_with_attention_still_warns():
+    """Llama loaded eager ignores doc_ids: packing for it warns that its documents would attend
+    to each other."""
+    model = tiny("LlamaConfig")
+    batch = flexpack.pack_sequences(documents(), max_len=40, strategy="greedy")
+    with pytest.warns(UserWarning, match="attend to each other"):
+        packed_forward_kwargs(batch, model=model)
+
+
+@pytest.mark.parametrize(
+    "kind, attends", [(k, False) for k in ATTENTION_FREE] + [(k, True) for k in WITH_ATTENTION]
+)
+def test_has_attention_tells_recurrences_from_attention(kind, attends):
+    """RWKV's RwkvSelfAttention is a recurrence (no attention); a hybrid's attention layers and
+    GPT-1's attention written out in its own code are attention."""
+    config = {**ATTENTION_FREE, **WITH_ATTENTION}[kind]
+    assert has_attention(tiny(config)) is attends
