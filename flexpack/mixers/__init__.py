@@ -48,7 +48,7 @@ import torch
 from torch import Tensor
 
 from flexpack._tensor_cache import all_match, on_clear, stamps
-from flexpack.mixers import conv, delta, linear, rglru, rwkv, ssm, xlstm
+from flexpack.mixers import conv, delta, dynamic_conv, linear, rglru, rwkv, ssm, xlstm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, uses_kernels
 from flexpack.mixers._tree import TreePlan
@@ -76,6 +76,7 @@ ROOMS: tuple[Room, ...] = (
     *rglru.ROOMS,
     *rwkv.ROOMS,
     *xlstm.ROOMS,
+    *dynamic_conv.ROOMS,
     *conv.ROOMS,
 )
 
