@@ -60,6 +60,10 @@ FAMILIES = {  # kind: (config class, kwargs)
     "mamba (Jamba)": ("JambaConfig", dict(
         attn_layer_period=2, attn_layer_offset=1, num_experts=1, mamba_d_conv=4,
         mamba_expand=2, mamba_d_state=16, mamba_dt_rank=8)),
+    "mamba (Zamba, multi-head)": ("ZambaConfig", dict(
+        n_mamba_heads=2, mamba_d_state=16, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+        layers_block_type=["linear_attention", "hybrid"] * 2, num_hidden_layers=4,
+        attention_hidden_size=256, attention_head_dim=64)),  # its shared block ties 2 layers
     "lightning_attention (MiniMax)": ("MiniMaxConfig", dict(
         layer_types=["linear_attention", "full_attention"], block_size=64,
         num_local_experts=1, num_experts_per_tok=1)),
@@ -96,7 +100,7 @@ def _model(kind: str, attn: str):
     import transformers
 
     name, kwargs = FAMILIES[kind]
-    config = getattr(transformers, name)(**{**WIDTH, **kwargs}, num_hidden_layers=2)
+    config = getattr(transformers, name)(**{**WIDTH, "num_hidden_layers": 2, **kwargs})
     if not any(n in kind for n in NO_ATTENTION):
         config._attn_implementation = attn
     torch.manual_seed(0)
