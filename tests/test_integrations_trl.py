@@ -55,10 +55,10 @@ def tiny(kind: str = "llama", seed: int = 0):
                 sliding_window=3, layer_types=["sliding_attention", "full_attention"],
             )
         )  # fmt: skip
-    if kind in HYBRIDS:  # recurrent / conv mixers beside attention
+    if kind in HYBRIDS or kind in MOE:  # recurrent / conv mixers beside attention; experts
         from flexpack.integrations._tiny import tiny_config
 
-        config = tiny_config(getattr(transformers, HYBRIDS[kind])())
+        config = tiny_config(getattr(transformers, {**HYBRIDS, **MOE}[kind])())
         config.vocab_size, config.pad_token_id, config.eos_token_id = V + 3, PAD, EOS
         return transformers.AutoModelForCausalLM.from_config(config)
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
@@ -68,12 +68,13 @@ def tiny(kind: str = "llama", seed: int = 0):
 # Falcon-H1 and Granite 4 share the room)
 HYBRIDS = {"lfm2": "Lfm2Config", "qwen3_5": "Qwen3_5TextConfig", "bamba": "BambaConfig",
            "falcon_h1": "FalconH1Config"}  # fmt: skip
+MOE = {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}  # beside gpt-oss
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
-    for kind in ("llama", "mistral", "gpt_oss", *HYBRIDS):
+    for kind in ("llama", "mistral", "gpt_oss", *HYBRIDS, *MOE):
         tiny(kind).save_pretrained(path / kind)
     return path
 
@@ -164,12 +165,13 @@ def test_grpo_per_token_logps_and_entropies_equal_trls(model_dir, tokenizer, tmp
     assert trainer.model.config._attn_implementation == own  # left as it was
 
 
-def test_grpo_router_aux_loss_on_trees_equals_trls(model_dir, tokenizer, tmp_path):
-    """gpt-oss with its router's load-balancing loss (TRL turns it on): every log-prob call fell
-    back to TRL's padded path. The trees weigh each token by the rows that share it: the aux
-    loss, its gradients and the log-probs equal TRL's padded forward; a row without completion
-    tokens (its prompt is in no tree) falls back."""
-    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind="gpt_oss")
+@pytest.mark.parametrize("kind", ["gpt_oss", *MOE])
+def test_grpo_router_aux_loss_on_trees_equals_trls(model_dir, tokenizer, tmp_path, kind):
+    """gpt-oss, Qwen3-MoE and Mixtral with their router's load-balancing loss (TRL turns it on):
+    every log-prob call fell back to TRL's padded path. The trees weigh each token by the rows
+    that share it: the aux loss, its gradients and the log-probs equal TRL's padded forward; a
+    row without completion tokens (its prompt is in no tree) falls back."""
+    trainer = grpo(ftrl.GRPOTrainer, model_dir, tokenizer, tmp_path, kind=kind)
     assert trainer.aux_loss_enabled
     ids, mask, C = rl_batch()
     mask[6, -C : -C + 2] = 1  # the empty completion gets two tokens: every row is a rollout
