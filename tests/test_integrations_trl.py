@@ -580,38 +580,46 @@ def test_dpo_train_equals_trls_trainer(tokenizer, tmp_path, precompute):
         torch.testing.assert_close(runs["flexpack-ref"], runs["trl-ref"], atol=1e-4, rtol=0)
 
 
-def test_dpo_on_a_hybrid_logs_trls_metrics(tokenizer, tmp_path):
-    """LFM2 (short convs) on trees: each answer's conv window starts from its prompt's last
-    tokens. The policy and the reference both run flexpack's attention (once the reference ran
-    its own: at step 0 the two differed by rounding, so rewards/accuracies logged 0.33 where
-    TRL logs 0.0, its rewards tying at exactly 0): every logged metric equals TRL's."""
+@pytest.mark.parametrize("kind", sorted(HYBRIDS))
+def test_dpo_on_a_hybrid_logs_trls_metrics(tokenizer, tmp_path, kind):
+    """LFM2 (short convs), Qwen3.5 (gated delta rule), Bamba and Falcon-H1 (Mamba2) on trees:
+    each answer's state and conv window start from its prompt's end. The policy and the
+    reference both run flexpack's attention (once the reference ran its own: at step 0 the two
+    differed by rounding, so LFM2's rewards/accuracies logged 0.33 where TRL logs 0.0, its
+    rewards tying at exactly 0): 2 steps, every logged metric and every weight equal TRL's
+    (1e-4; SGD: Adam turns float noise on a ~0 gradient into a step of ~lr), no fallback."""
     from flexpack.integrations._tiny import tiny_config
 
-    def lfm2():
+    def hybrid():
         torch.manual_seed(0)
-        config = tiny_config(transformers.Lfm2Config())
+        config = tiny_config(getattr(transformers, HYBRIDS[kind])())
         config.vocab_size = 128
         return transformers.AutoModelForCausalLM.from_config(config)
 
-    logs = {}
+    logs, trained = {}, {}
     for name, cls in (("trl", trl.DPOTrainer), ("flexpack", ftrl.DPOTrainer)):
         args = trl.DPOConfig(
             output_dir=str(tmp_path / name), per_device_train_batch_size=3, max_steps=2,
             use_cpu=True, bf16=False, report_to=[], seed=0, logging_steps=1,
-            save_strategy="no", learning_rate=1e-2, beta=0.1,
+            save_strategy="no", optim="sgd", learning_rate=0.1, beta=0.1,
         )  # fmt: skip
-        trainer = cls(model=lfm2(), ref_model=lfm2(), args=args, train_dataset=dpo_data(),
+        trainer = cls(model=hybrid(), ref_model=hybrid(), args=args, train_dataset=dpo_data(),
                       processing_class=tokenizer)  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             trainer.train()
         logs[name] = [h for h in trainer.state.log_history if "loss" in h]
+        trained[name] = weights(trainer.model)
     assert trainer.flexpack_stats.fallbacks == 0 and trainer.flexpack_stats.calls > 0
-    assert logs["trl"][0]["rewards/accuracies"] == 0.0  # rewards tie at 0 at step 0
+    if kind == "lfm2":
+        assert logs["trl"][0]["rewards/accuracies"] == 0.0  # rewards tie at 0 at step 0
+    assert len(logs["flexpack"]) == len(logs["trl"]) == 2
     for a, b in zip(logs["flexpack"], logs["trl"], strict=True):
         assert a["rewards/accuracies"] == b["rewards/accuracies"]
         for k in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins"):
             assert a[k] == pytest.approx(b[k], abs=1e-4), k
+    for k, want in trained["trl"].items():
+        torch.testing.assert_close(trained["flexpack"][k], want, atol=1e-4, rtol=0, msg=k)
 
 
 def test_dpo_pairs_sharing_earlier_turns_pack_as_multi_level_trees(
