@@ -22,8 +22,7 @@ room runs now), for the whole model's step and for the conv layer alone.
 Run: ``PYTHONPATH=$PWD python bench/mixers.py`` (a few minutes on a quiet 2-core CPU, RWKV's
 own token loop the longest; a word after it keeps only the families whose name has it, e.g.
 ``ZAYA``). Prints a markdown table; the ratios are own / one pass and per group / one pass
-(above 1: the one pass faster); beside them each path's peak of live tensor bytes in a step
-(torch's CPU profiler memory events).
+(above 1: the one pass faster).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import warnings
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from _machine import describe, tensor_peak
+from _machine import describe
 
 import flexpack
 
@@ -141,24 +140,15 @@ def _timed(step, repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def _step(model, kwargs):
+def _step_time(model, kwargs) -> float:
     def step():
         model.zero_grad(set_to_none=True)
         model(**kwargs).logits.float().sum().backward()
 
-    return step
+    return _timed(step)
 
 
-def _step_time(model, kwargs) -> float:
-    return _timed(_step(model, kwargs))
-
-
-def _time_and_peak(model, kwargs) -> tuple[float, float]:
-    """The step's median time (s) and its peak of live tensor bytes (MiB, one more step)."""
-    return _step_time(model, kwargs), tensor_peak(_step(model, kwargs)) / 2**20
-
-
-def _per_group_step(model, kwargs) -> tuple[float, float]:
+def _per_group_step(model, kwargs) -> float:
     """The model's step with every one pass declined (each class's self-check verdict set to
     False meanwhile): the per-group calls every room has."""
     from flexpack import mixers
@@ -169,7 +159,7 @@ def _per_group_step(model, kwargs) -> tuple[float, float]:
     for v in verdicts:
         v.update(dict.fromkeys(v, False))
     try:
-        return _time_and_peak(model, kwargs)
+        return _step_time(model, kwargs)
     finally:
         for v, old in zip(verdicts, saved, strict=True):
             v.update(old)
@@ -237,9 +227,8 @@ def main() -> None:
           f"forward + backward, median of {REPEATS}")  # fmt: skip
     print()
     print("| mixer (family) | own torch path, sdpa (s) | flexpack per group (s) | flexpack "
-          "one pass (s) | own / one pass | per group / one pass | peak MiB: own / per group / "
-          "one pass |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "one pass (s) | own / one pass | per group / one pass |")  # fmt: skip
+    print("|---|---|---|---|---|---|")
     own_kwargs = {"input_ids": batch.input_ids.long(), "position_ids": batch.position_ids.long(),
                   "use_cache": False}  # fmt: skip
     only = sys.argv[1] if len(sys.argv) > 1 else ""
@@ -248,14 +237,13 @@ def main() -> None:
         own_call = {k: v for k, v in own_kwargs.items() if k != "position_ids"} if any(
             n in kind for n in NO_ATTENTION
         ) else own_kwargs  # fmt: skip
-        own, own_peak = _time_and_peak(own_model, own_call)
+        own = _step_time(own_model, own_call)
         model = _model(kind, register())
         kwargs = _flexpack_kwargs(model, batch)
-        grouped, grouped_peak = _per_group_step(model, kwargs)
-        ours, peak = _time_and_peak(model, kwargs)
+        grouped = _per_group_step(model, kwargs)
+        ours = _step_time(model, kwargs)
         print(f"| {kind} | {own:.3f} | {grouped:.3f} | {ours:.3f} | {own / ours:.2f}x "
-              f"| {grouped / ours:.2f}x | {own_peak:.0f} / {grouped_peak:.0f} / {peak:.0f} |",
-              flush=True)  # fmt: skip
+              f"| {grouped / ours:.2f}x |", flush=True)  # fmt: skip
     if "short_conv (LFM2)" in [k for k in FAMILIES if only in k]:
         short_conv_paths(batch, own_kwargs)
     print(f"\nload average at the end: {__import__('os').getloadavg()[0]:.1f}")
