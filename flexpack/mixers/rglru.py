@@ -94,12 +94,10 @@ def _gate(lru: torch.nn.Module, act: Tensor, weight: Tensor, bias: Tensor) -> Te
 def _lru_scan(log_a: Tensor, u: Tensor, segment: Tensor, chunk: int) -> Tensor:
     """h_t = exp(log_a_t) h_{t-1} + u_t over rows of documents (``segment`` (B, S): a value per
     document), from zero at each document start. (B, S, W) -> (B, S, W)."""
-    from flexpack.mixers.ssm import diagonal_scan
+    from flexpack.mixers.ssm import diagonal_scan, segment_starts
 
-    start = torch.ones_like(segment, dtype=torch.bool)
-    start[:, 1:] = segment[:, 1:] != segment[:, :-1]
     ones = u.new_ones(*u.shape[:2], 1)
-    return diagonal_scan(log_a[..., None], u[..., None], ones, start, chunk)
+    return diagonal_scan(log_a[..., None], u[..., None], ones, segment_starts(segment), chunk)
 
 
 def _tree_lru_scan(log_a: Tensor, u: Tensor, plan: TreePlan, chunk: int) -> Tensor:

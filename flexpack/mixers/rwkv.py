@@ -35,7 +35,7 @@ from flexpack.mixers import _one_pass
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
 from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
-from flexpack.mixers.ssm import _selective_chunk
+from flexpack.mixers.ssm import _selective_chunk, segment_starts
 
 __all__ = ["channel_mix_one_pass", "time_mix_one_pass", "wkv_scan"]
 
@@ -212,12 +212,6 @@ def wkv_scan(k: Tensor, v: Tensor, w: Tensor, u: Tensor, start: Tensor, chunk: i
     return (num / den).reshape(batch, c * q, A)[:, :S]
 
 
-def _starts(segment: Tensor) -> Tensor:
-    start = torch.ones_like(segment, dtype=torch.bool)
-    start[:, 1:] = segment[:, 1:] != segment[:, :-1]
-    return start
-
-
 def time_mix_one_pass(
     module: torch.nn.Module, x: Tensor, plan: DocumentPlan | TreePlan, *, chunk: int | None = None
 ) -> Tensor:
@@ -271,7 +265,7 @@ def time_mix_one_pass(
     q = chunk or _selective_chunk(x.shape[1])
 
     def scan(k: Tensor, v: Tensor, segment: Tensor) -> Tensor:
-        return wkv_scan(k, v, w, u, _starts(segment), q)
+        return wkv_scan(k, v, w, u, segment_starts(segment), q)
 
     def tree(k: Tensor, v: Tensor, plan: TreePlan) -> Tensor:
         def forked(k: Tensor, v: Tensor, live: Tensor, layout: ChunkLayout) -> Tensor:

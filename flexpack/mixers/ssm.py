@@ -377,6 +377,14 @@ def _selective_scan(u: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor, star
     return diagonal_scan(A * dt[..., None], inputs, C, start, chunk, layout)
 
 
+def segment_starts(segment: Tensor) -> Tensor:
+    """(B, S) segment ids -> (B, S) bool, True where a segment (a document or a padding run)
+    starts: a row's first token, and wherever the id changes."""
+    start = torch.ones_like(segment, dtype=torch.bool)
+    start[:, 1:] = segment[:, 1:] != segment[:, :-1]
+    return start
+
+
 def diagonal_scan(log_decay: Tensor, inputs: Tensor, C: Tensor, start: Tensor, chunk: int,
                   layout: ChunkLayout | None = None) -> Tensor:  # fmt: skip
     """A diagonal linear recurrence over packed rows, the state restarting wherever ``start``:
@@ -494,9 +502,8 @@ def mamba_one_pass(
     A = -torch.exp(module.A_log.to(work))  # (I, n)
 
     def scan(h: Tensor, dt: Tensor, B: Tensor, C: Tensor, segment: Tensor) -> Tensor:
-        start = torch.ones_like(segment, dtype=torch.bool)
-        start[:, 1:] = segment[:, 1:] != segment[:, :-1]
-        return _selective_scan(h, dt, A, B, C, start, chunk or _selective_chunk(h.shape[1]))
+        q = chunk or _selective_chunk(h.shape[1])
+        return _selective_scan(h, dt, A, B, C, segment_starts(segment), q)
 
     scan.tree = lambda h, dt, B, C, tree: _tree_selective_scan(
         h, dt, A, B, C, tree, chunk or _selective_chunk(h.shape[1])
@@ -649,9 +656,8 @@ def zamba_mamba_one_pass(
     A = -torch.exp(module.A_log.to(work))  # (h, p, n)
 
     def scan(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, segment: Tensor) -> Tensor:
-        start = torch.ones_like(segment, dtype=torch.bool)
-        start[:, 1:] = segment[:, 1:] != segment[:, :-1]
-        return _heads_selective_scan(u, dt, A, B, C, start, chunk or _selective_chunk(S))
+        q = chunk or _selective_chunk(S)
+        return _heads_selective_scan(u, dt, A, B, C, segment_starts(segment), q)
 
     def tree(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, plan: TreePlan) -> Tensor:
         def forked(u: Tensor, dt: Tensor, B: Tensor, C: Tensor, layout: ChunkLayout) -> Tensor:
