@@ -74,3 +74,34 @@ def test_has_attention_tells_recurrences_from_attention(kind, attends):
     GPT-1's attention written out in its own code are attention."""
     config = {**ATTENTION_FREE, **WITH_ATTENTION}[kind]
     assert has_attention(tiny(config)) is attends
+
+
+@pytest.mark.parametrize("one_pass", [True, False], ids=["one pass", "per group"])
+def test_xlstm_with_its_default_cache_warns_and_each_document_is_exact(one_pass, monkeypatch):
+    """xLSTM's model makes a cache when ``use_cache`` is left at its default and copies the
+    state each layer returns into it: on packed rows flexpack warns that the cache gets no
+    state (naming the layer), hands the model an empty one, and each document's logits equal
+    it run alone, by the one pass and by the per-group calls (a class that failed its
+    self-check). Before: transformers' ``TypeError: 'NoneType' object is not subscriptable``."""
+    from flexpack.mixers import xlstm
+
+    model = tiny(ATTENTION_FREE["xlstm"])
+    docs = documents()
+    with torch.no_grad():
+        alone = [model(input_ids=d[None], use_cache=False).logits[0] for d in docs]
+    batch = flexpack.pack_sequences(docs, max_len=40, strategy="greedy")
+    kwargs = packed_forward_kwargs(batch, model=model)
+    del kwargs["use_cache"]  # the model's default: a cache
+    assert model.config.use_cache
+    if not one_pass:
+        layer_type = type(model.backbone.blocks[0].mlstm_layer)
+        monkeypatch.setitem(xlstm.MLSTM.one_pass.verified, layer_type, False)
+    with pytest.warns(UserWarning, match="xLSTMLayer got packed rows .* with a cache"):
+        with torch.no_grad():
+            out = model(**kwargs)
+    start = 0
+    for d, want in zip(docs, alone, strict=True):
+        torch.testing.assert_close(out.logits[0, start : start + len(d)], want, atol=1e-5, rtol=0)
+        start += len(d)
+    for C, n, m in out.cache.rnn_state.values():  # the cache kept no row's state
+        assert not (C.any() or n.any() or m.any())

@@ -225,7 +225,8 @@ def test_under_bf16_autocast_the_one_pass_keeps_the_plain_layers_dtype():
     finally:
         fm.restore(model)
     assert xlstm.MLSTM.one_pass.verified[type(layer)] is True
-    assert state is None
+    # packed rows hand on no state: an empty one, which a model's cache can take
+    assert all(not t.any() for t in state) and state[0].shape[:2] == (1, layer.config.num_heads)
     for a, e, want in wants:
         assert got.dtype == want.dtype == torch.bfloat16
         ours = (got[0, a:e].float() - exact[0, a:e]).abs().max().item()

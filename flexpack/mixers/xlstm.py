@@ -14,7 +14,10 @@ behaviour differs runs once per group of right-padded documents. The layer is re
 
 The layer's cache is its ``state`` argument (the model hands it ``cache.rnn_state[layer]`` under
 ``use_cache``): a call with one runs the layer's own forward (prompts, decoding), so
-``generate()`` is the model's own.
+``generate()`` is the model's own. Packed rows with a cache (``use_cache`` left at its default)
+are exact too, with flexpack.mixers' warning: the model copies the state each layer returns into
+its cache, so the one pass returns an empty state (zeros, the cache's shapes), where a packed row
+has no one state to hand on.
 
 One mLSTM step per head (i, f: pre-activations, d: the q/k head width, eps the config's)::
 
@@ -29,6 +32,9 @@ tokens (N of them per row, the row padded to a multiple of C).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -38,7 +44,7 @@ from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
 from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
 
-__all__ = ["mlstm_one_pass", "segment_mlstm", "tree_mlstm"]
+__all__ = ["empty_state", "mlstm_one_pass", "segment_mlstm", "tree_mlstm"]
 
 CHUNK = 64  # transformers' xLSTMConfig.chunk_size default
 # document ids of the self-check's rows: documents crossing a chunk cut (64), one starting
@@ -331,19 +337,72 @@ def mlstm_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan | Tree
     return out * plan.real[..., None].to(out.dtype)
 
 
+def empty_state(module: torch.nn.Module, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The state an mLSTM layer returns for packed rows: zeros of the shapes of transformers'
+    ``xLSTMCache`` entries, C (B, heads, Dk, Dv), n (B, heads, Dk), m (B, heads, 1), in ``x``'s
+    dtype and device. A packed row holds several documents, so no one end state continues it;
+    the model copies what the layer returns into its cache when it made one (``use_cache`` left
+    at its default), and a None there is transformers' ``TypeError``."""
+    config = module.config
+    heads, B = config.num_heads, x.shape[0]
+    # the cache's widths, from the config (rounded up to 64 there, where the layer's are not)
+    dk = getattr(config, "qk_head_dim", module.qk_dim // heads)
+    dv = getattr(config, "v_head_dim", module.v_dim // heads)
+    return (
+        x.new_zeros(B, heads, dk, dv),
+        x.new_zeros(B, heads, dk),
+        x.new_zeros(B, heads, 1),
+    )
+
+
+class _WithEmptyState:
+    """The room's one pass: :func:`_one_pass.hook`'s (whose ``verified`` and ``fn`` it shows,
+    for the tests that count or stop it), its output paired with :func:`empty_state`. On
+    document rows of a class the one pass does not take, the layer's own forward per group of
+    documents, paired the same way (flexpack.mixers' own per-group calls return None for the
+    state); on tree rows None (the layer cannot branch: flexpack.mixers refuses)."""
+
+    def __init__(self, hooked: Callable[..., Tensor | None]) -> None:
+        self.hooked = hooked
+
+    @property
+    def verified(self) -> dict[type, bool]:
+        return self.hooked.verified  # type: ignore[attr-defined]
+
+    @property
+    def fn(self) -> Callable[..., Tensor]:
+        return self.hooked.fn  # type: ignore[attr-defined]
+
+    @fn.setter
+    def fn(self, fn: Callable[..., Tensor]) -> None:
+        self.hooked.fn = fn  # type: ignore[attr-defined]
+
+    def __call__(self, module, own, x: Tensor, plan, kwargs: dict[str, Any]):
+        out = self.hooked(module, own, x, plan, kwargs)
+        if out is None:
+            if not isinstance(plan, DocumentPlan) or not _mlstm_layer(module) or x.dim() != 3:
+                return None
+            if any(kwargs.get(k) is not None for k in kwargs if k != "state"):
+                return None  # a keyword the per-group calls below would not pass on
+            out = _one_pass.per_group(own, x, plan)
+        return out, empty_state(module, x)
+
+
 MLSTM = Room(
     "mlstm",
     matches=_mlstm_layer,
     recognised_by="its `mlstm_backend` (the mLSTM cell of transformers' xLSTM layer)",
     how="the matrix memory, normaliser and stabiliser restart per document: one pass over the "
     "rows (torch, transformers' xLSTM structure), else documents run apart (no kernel mapping)",
-    # its cache is the `state` argument: a call with one runs the layer's own forward
-    one_pass=_one_pass.hook(
-        mlstm_one_pass,
-        _fits,
-        probe=lambda _: PROBE,
-        changes=(*_one_pass.CHANGES_THE_PASS, "state"),
-        outputs=2,
+    # its cache is the `state` argument: a call with one runs the layer's own forward; packed
+    # rows (the state dropped) return an empty state, which the model copies into its cache
+    one_pass=_WithEmptyState(
+        _one_pass.hook(
+            mlstm_one_pass,
+            _fits,
+            probe=lambda _: PROBE,
+            changes=(*_one_pass.CHANGES_THE_PASS, "state"),
+        )
     ),
 )
 
