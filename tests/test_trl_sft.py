@@ -33,6 +33,11 @@ FP32 = 1e-5
 
 @pytest.fixture(scope="module")
 def tokenizer():
+    return word_tokenizer()
+
+
+def word_tokenizer():
+    """t0..t124 one token each, whitespace-split; <pad>, </s>, <unk>."""
     vocab = {f"t{i}": i for i in range(V)} | {"<pad>": PAD, "</s>": EOS, "<unk>": V + 2}
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -101,7 +106,7 @@ def documents(rows) -> list[dict]:
     out = []
     for row in rows:
         start = 0
-        for n in row["seqlens"]:
+        for n in row["seq_lengths"]:
             ids = list(row["input_ids"][start : start + n])
             out.append({"input_ids": ids, "labels": list(row["labels"][start : start + n])})
             start += n
@@ -163,8 +168,8 @@ def test_training_equals_unpacked_trl(tmp_path, tokenizer, kind, reference_atten
         )  # fmt: skip
     # Packing really happened: rows of several samples, the prompts out of the loss.
     first = recorder.steps[0]
-    assert max(len(r["seqlens"]) for r in first) > 1
-    assert sum(label == -100 for r in first for label in r["labels"]) > len(first[0]["seqlens"])
+    assert max(len(r["seq_lengths"]) for r in first) > 1
+    assert sum(label == -100 for r in first for label in r["labels"]) > len(first[0]["seq_lengths"])
     ours, theirs = losses(trainer), losses(ref)
     assert len(ours) == len(theirs) == STEPS
     loss_diff = (ours - theirs).abs().max().item()
@@ -217,7 +222,7 @@ def test_per_document_loss_equals_unpacked_mean_of_sample_means(tmp_path, tokeni
         trainer.train()
         micro = recorder.steps[: steps * accumulate]
         per_step = [
-            sum(len(r["seqlens"]) for rows in micro[i : i + accumulate] for r in rows)
+            sum(len(r["seq_lengths"]) for rows in micro[i : i + accumulate] for r in rows)
             for i in range(0, len(micro), accumulate)
         ]
         # each micro-batch's compute_loss call divides by its step's samples
@@ -282,27 +287,22 @@ def test_dataset_is_packed_whole_with_prompt_masked(tmp_path, tokenizer):
             processing_class=tokenizer,
         )  # fmt: skip
     packed = trainer.train_dataset
-    assert sum(len(s) for s in packed["seqlens"]) == len(data)  # every sample, once
+    assert sum(len(s) for s in packed["seq_lengths"]) == len(data)  # every sample, once
     assert all(n <= 64 for n in packed["num_tokens"])
-    lengths = sorted(n for s in packed["seqlens"] for n in s)
+    lengths = sorted(n for s in packed["seq_lengths"] for n in s)
     # one best-fit-decreasing plan over every length: no more rows than tokens need, plus one
     assert len(packed) <= sum(lengths) // 64 + 2
     # completion-only loss (TRL's default on prompt-completion data): each sample's prompt
     # (2 words or more) is -100, its completion and EOS are supervised
     for row in packed.select(range(3)):
         start = 0
-        for n in row["seqlens"]:
+        for n in row["seq_lengths"]:
             labels = row["labels"][start : start + n]
             assert labels[:2] == [-100, -100] and labels[-1] == EOS
             start += n
 
 
 def test_refusals(tmp_path, tokenizer):
-    with pytest.raises(ValueError, match="packing_strategy"):
-        SFTTrainer(
-            model=tiny("llama"), args=sft_args(tmp_path, "w", packing_strategy="wrapped"),
-            train_dataset=prompt_completion(), processing_class=tokenizer,
-        )  # fmt: skip
     with pytest.raises(ValueError, match="max_length"):
         SFTTrainer(
             model=tiny("llama"), args=sft_args(tmp_path, "n", max_length=None),

@@ -43,6 +43,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import inspect
 import types
 import warnings
 from collections.abc import Iterator
@@ -761,9 +762,9 @@ class _TreeCaller:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         known = {"input_ids", "attention_mask", "labels", "fused_lm_head", "use_cache",
                  "output_router_logits"}  # fmt: skip
-        others = [k for k, v in kwargs.items() if k not in known and v is not None]
+        others = sorted(k for k, v in kwargs.items() if k not in known and v is not None)
         if args or not kwargs.get("fused_lm_head") or others:
-            self.trainer._flexpack_fallback(f"DPO passed inputs flexpack does not pack ({others})")
+            self.trainer._flexpack_fallback(_dpo_call_unpacked(args, kwargs, others))
             return self.model(*args, **kwargs)
         input_ids, attention_mask, labels = (
             kwargs[k] for k in ("input_ids", "attention_mask", "labels")
@@ -808,6 +809,21 @@ class _TreeCaller:
             is_top1=None if top1 is None else top1.bool(),
             aux_loss=r.aux_loss,
         )
+
+
+def _dpo_call_unpacked(args: tuple, kwargs: dict[str, Any], others: list[str]) -> str:
+    """Why a model call of DPO's is not one flexpack packs, naming what the call carried."""
+    why = []
+    if args:
+        why.append(f"{len(args)} positional argument{'s' * (len(args) != 1)}")
+    if not kwargs.get("fused_lm_head"):
+        why.append(
+            "no fused_lm_head=True (a call for the full logits: TRL's extra forward for "
+            "compute_metrics, return_outputs=True)"
+        )
+    if others:
+        why.append(f"inputs flexpack does not pack: {', '.join(others)}")
+    return f"DPO called the model with {'; '.join(why)}"
 
 
 def _dpo_trees(input_ids: Tensor, attention_mask: Tensor, labels: Tensor, min_shared: int = 0):
@@ -902,6 +918,11 @@ class PackStats:
         row_tokens: the slots of the rows, ``R * max_length`` per micro-batch.
         padded_tokens: what the same samples take unpacked, each its own row padded to the
             longest of its micro-batch (TRL's ``packing=False`` collator).
+
+    ``padding_removed`` is ``padded_tokens - row_tokens`` when that is positive, else 0: the
+    slots TRL's default padded batches would have forwarded beyond flexpack's rows. It cannot
+    go negative: where flexpack's rows took as many slots or more (a last, half-empty row of
+    long samples), it is 0 and ``fill`` says how full the rows were.
     """
 
     steps: int = 0
@@ -918,17 +939,18 @@ class PackStats:
 
     @property
     def padding_removed(self) -> int:
-        """Padding tokens the unpacked micro-batches would have forwarded and these did not."""
-        return self.padded_tokens - self.row_tokens
+        """Slots the unpacked micro-batches would have forwarded beyond these rows; >= 0."""
+        return max(self.padded_tokens - self.row_tokens, 0)
 
 
 @dataclass(frozen=True)
 class _PackedCollator:
-    """Rows of the packed dataset (``input_ids`` (T_r,), ``labels`` (T_r,), ``seqlens``
-    (k_r,)) -> the model call's keywords, each (R, max_len): ``input_ids``, ``labels`` (-100 on
-    padding and on each document's first token), ``position_ids`` (restarting per document),
-    ``doc_ids`` (-1 on padding). A row without ``seqlens`` (a dataset passed with
-    ``skip_prepare_dataset``) is one document."""
+    """Rows of the packed dataset (``input_ids`` (T_r,), ``labels`` (T_r,), ``seq_lengths``
+    (k_r,), TRL's name; flexpack's ``seqlens`` is read too) -> the model call's keywords, each
+    (R, max_len): ``input_ids``, ``labels`` (-100 on padding and on each document's first
+    token), ``position_ids`` (restarting per document), ``doc_ids`` (-1 on padding). A row
+    without either (an unpacked eval set, a dataset passed with ``skip_prepare_dataset``) is
+    one document."""
 
     max_len: int
     pad_id: int
@@ -938,13 +960,29 @@ class _PackedCollator:
         from flexpack.data import collate
         from flexpack.integrations.transformers import packed_forward_kwargs
 
-        rows = [r if "seqlens" in r else {**r, "seqlens": [len(r["input_ids"])]} for r in rows]
+        rows = [
+            {
+                "input_ids": r["input_ids"],
+                **({"labels": r["labels"]} if "labels" in r else {}),
+                "seqlens": _row_seqlens(r),
+            }
+            for r in rows
+        ]
         batch = collate(rows, max_len=self.max_len, pad_id=self.pad_id)
         kwargs = packed_forward_kwargs(batch, labels=True)
         del kwargs["use_cache"]  # TRL's compute_loss sets it
         if self.padding_mask:
             kwargs["attention_mask"] = (batch.doc_ids >= 0).long()
         return kwargs
+
+
+def _row_seqlens(row: dict[str, Any]) -> Any:
+    """A packed row's document lengths: TRL's ``seq_lengths``, flexpack's ``seqlens``, or the
+    whole row as one document."""
+    for key in ("seq_lengths", "seqlens"):
+        if key in row:
+            return row[key]
+    return [len(row["input_ids"])]
 
 
 def _document_weights(labels: Tensor, doc_ids: Tensor) -> tuple[Tensor, Tensor]:
@@ -981,12 +1019,55 @@ class _DocumentWeighted:
         return getattr(self.model, name)
 
 
-_SFT_STRATEGIES = {"bfd": "truncate", "bfd_split": "split"}
+# TRL's packing_strategy -> flexpack's (strategy, overflow) of pack_dataset
+_SFT_STRATEGIES = {
+    "bfd": ("bfd", "truncate"),
+    "bfd_split": ("bfd", "split"),
+    "wrapped": ("wrap", "error"),  # samples cut at row ends; each piece its own document
+}
+
+
+def _peft_configs(model: Any, peft_config: Any) -> list[Any]:
+    """The PEFT configs a trainer would train: TRL's ``peft_config`` argument and those of a
+    model that already carries adapters (PEFT's ``peft_config`` dict, ``active_peft_config``)."""
+    found = [] if peft_config is None else [peft_config]
+    if isinstance(model, str):
+        return found
+    held = getattr(model, "peft_config", None)
+    if isinstance(held, dict):
+        found.extend(held.values())
+    elif held is not None:
+        found.append(held)
+    try:
+        active = getattr(model, "active_peft_config", None)
+    except Exception:  # PEFT raises when no adapter is active
+        active = None
+    if active is not None:
+        found.append(active)
+    return found
+
+
+def _refuse_prompt_learning(model: Any, peft_config: Any) -> None:
+    """Refuse, at construction, PEFT methods that add virtual tokens to the model's input."""
+    for config in _peft_configs(model, peft_config):
+        if not getattr(config, "is_prompt_learning", False):
+            continue
+        method = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
+        raise ValueError(
+            f"flexpack's SFTTrainer does not train PEFT prompt-learning methods; got {method} "
+            f"({type(config).__name__}, {getattr(config, 'num_virtual_tokens', '?')} virtual "
+            "tokens). PEFT adds its virtual tokens once per row, not per sample: prefix tuning "
+            "gives its key/values to the first sample of a packed row only (the others train "
+            "without them, silently), and prompt tuning / P-tuning prepend embeddings that the "
+            "rows' doc_ids do not cover. Use trl.SFTTrainer for prompt-learning methods, or a "
+            "weight adapter (LoRA, DoRA, IA3, ...) with flexpack's."
+        )
 
 
 def _sft_class() -> type:
     trl = _import_trl()
     base = trl.SFTTrainer
+    signature = inspect.signature(base.__init__)
 
     class SFTTrainer(base):
         """TRL's ``SFTTrainer`` on rows packed by flexpack over the whole dataset.
@@ -997,13 +1078,34 @@ def _sft_class() -> type:
         ``assistant_only_loss``; truncation to ``max_length``), then ``flexpack.integrations.
         datasets.pack_dataset`` packs all of it with one best-fit-decreasing plan into rows of
         ``args.max_length`` (``packing`` is implied; ``packing_strategy="bfd_split"`` splits
-        over-long samples instead of truncating them). Each micro-batch is
+        over-long samples instead of truncating them). The packed rows carry TRL's
+        ``seq_lengths`` column: row i of ``trainer.train_dataset`` holds several samples, not
+        sample i. Each micro-batch is
         ``per_device_train_batch_size`` rows of (R, max_length), with ``doc_ids`` and
         ``position_ids`` that restart per sample. The model runs on flexpack attention (switched
         on this instance for ``train`` / ``evaluate``, restored after) and its recurrent / conv
         mixers are adapted, so no sample sees another; the loss is TRL's own (its fused LM head:
         per-token log-probs from the hidden states in chunks, never the (R, S, V) logits; the
         first token of every sample has label -100, so no prediction crosses a boundary).
+
+        TRL's options, as flexpack reads them:
+
+        - ``completion_only_loss``, ``assistant_only_loss``, ``dataset_text_field``,
+          ``formatting_func``, ``truncation_mode``: TRL's own preparation builds the samples and
+          their labels, so each packed sample is the one TRL's unpacked trainer trains on.
+        - ``packing_strategy``: ``"bfd"`` (truncate over-long samples), ``"bfd_split"`` (split
+          them) or ``"wrapped"`` (concatenate in order, cut every ``max_length`` tokens: rows
+          full but the last; each piece is its own document, where TRL's wrapped rows let the
+          samples of a row attend to each other).
+        - ``eval_packing=False``: each eval sample in its own row (truncated to ``max_length``),
+          as TRL evaluates it; otherwise the eval set is packed as the train set.
+        - ``packing`` and ``padding_free``: flexpack's rows are packed and carry no attention
+          across samples either way, so both only change what TRL checks at construction
+          (``padding_free=True`` with ``packing=False`` and a ``max_length`` is TRL's error).
+        - PEFT weight adapters (LoRA, DoRA, IA3, ...) train as in TRL; prompt-learning methods
+          (prefix tuning, prompt tuning, P-tuning: virtual tokens once per row) are refused at
+          construction. Datasets with images and streaming (``IterableDataset``) datasets are
+          refused at construction too.
 
         ``reduction`` (keyword, flexpack's): ``"token"`` (TRL's: the mean over every supervised
         token of the step) or ``"document"`` (the mean over the step's samples of each sample's
@@ -1016,8 +1118,8 @@ def _sft_class() -> type:
 
         ``trainer.flexpack_stats`` (:class:`PackStats`) counts what training forwarded, and the
         logs carry ``flexpack/rows``, ``flexpack/fill``, ``flexpack/tokens`` and
-        ``flexpack/padding_removed`` beside TRL's metrics (per micro-batch, averaged over the
-        logging interval as TRL averages its own).
+        ``flexpack/padding_removed`` (>= 0, see :class:`PackStats`) beside TRL's metrics (per
+        micro-batch, averaged over the logging interval as TRL averages its own).
         """
 
         def __init__(self, *args: Any, reduction: str = "token", **kwargs: Any) -> None:
@@ -1026,9 +1128,13 @@ def _sft_class() -> type:
                     f"flexpack's SFTTrainer takes reduction='token' (TRL's mean over supervised "
                     f"tokens) or 'document' (the mean of each sample's mean), got {reduction!r}."
                 )
+            bound = signature.bind(self, *args, **kwargs).arguments
+            _refuse_prompt_learning(bound.get("model"), bound.get("peft_config"))
             self.flexpack_stats = PackStats()
             self.flexpack_reduction = reduction
+            self._flexpack_prepared_train = False  # TRL prepares the train set first
             base.__init__(self, *args, **kwargs)
+            _refuse_prompt_learning(self.model, None)
             if reduction == "document" and (
                 self.compute_loss_func is not None or self.label_smoother is not None
             ):
@@ -1067,15 +1173,23 @@ def _sft_class() -> type:
             from flexpack.integrations.datasets import pack_dataset
 
             max_len = self._flexpack_max_len(args)
+            is_train = not self._flexpack_prepared_train  # TRL's __init__ prepares it first
+            self._flexpack_prepared_train = True
+            if not is_train and args.eval_packing is False:
+                # TRL's unpacked preparation (truncated to max_length): each sample its own row
+                dataset = base._prepare_dataset(
+                    self, dataset, processing_class, args, False, formatting_func, name
+                )
+                keep = [c for c in ("input_ids", "labels") if c in dataset.column_names]
+                return dataset.select_columns(keep)
             strategy = args.packing_strategy
             if strategy not in _SFT_STRATEGIES:
                 raise ValueError(
-                    f"flexpack's SFTTrainer packs samples whole (packing_strategy 'bfd' or "
-                    f"'bfd_split'), got {strategy!r}; 'wrapped' cuts samples without marking the "
-                    f"cut. Use packing_strategy='bfd_split' to keep over-long samples' tokens."
+                    f"flexpack's SFTTrainer packs with packing_strategy 'bfd', 'bfd_split' or "
+                    f"'wrapped' (TRL's), got {strategy!r}."
                 )
-            overflow = _SFT_STRATEGIES[strategy]
-            if overflow == "split":  # TRL's unpacked path truncates to max_length: not here
+            strategy, overflow = _SFT_STRATEGIES[strategy]
+            if overflow != "truncate":  # TRL's unpacked path truncates to max_length: not here
                 args = copy.copy(args)
                 args.max_length = None
             # TRL's own preparation as for unpadded training: tokenize, labels, truncation.
@@ -1084,14 +1198,18 @@ def _sft_class() -> type:
             )
             if not isinstance(dataset, _datasets().Dataset):
                 raise TypeError(
-                    f"flexpack's SFTTrainer packs a datasets.Dataset with one plan over all of it; "
-                    f"the {name} dataset is a {type(dataset).__name__}. For a streaming dataset "
-                    "use trl.SFTTrainer, or flexpack.data.PackedIterableDataset."
+                    f"flexpack's SFTTrainer packs a datasets.Dataset with one plan over all of "
+                    f"it; the {name} dataset is a {type(dataset).__name__} (streaming), which it "
+                    "does not pack on the fly yet. Materialize it (datasets.Dataset."
+                    "from_generator(lambda: iter(ds), features=ds.features)), or use "
+                    "trl.SFTTrainer; flexpack.data.PackedIterableDataset packs streams for a "
+                    "training loop of your own."
                 )
-            return pack_dataset(
-                dataset, max_len, labels_column="labels", strategy="bfd", overflow=overflow,
+            packed = pack_dataset(
+                dataset, max_len, labels_column="labels", strategy=strategy, overflow=overflow,
                 seed=args.seed, num_proc=args.dataset_num_proc,
             )  # fmt: skip
+            return packed.rename_column("seqlens", "seq_lengths")  # TRL's name for the column
 
         def _set_signature_columns_if_needed(self) -> None:
             base._set_signature_columns_if_needed(self)
@@ -1167,7 +1285,7 @@ def _sft_class() -> type:
             metrics["flexpack/rows"].append(float(rows))
             metrics["flexpack/fill"].append(tokens / max(slots, 1))
             metrics["flexpack/tokens"].append(float(tokens))
-            metrics["flexpack/padding_removed"].append(float(padded - slots))
+            metrics["flexpack/padding_removed"].append(float(max(padded - slots, 0)))
             return int(tokens)
 
     SFTTrainer.__module__ = __name__
