@@ -1,14 +1,29 @@
 """Is this model exact on packed rows? Run it and see: a packed row against each document alone.
 
 flexpack keeps every transformers family it knows exact on packed rows or refuses it by name
-(docs/supported_models.md); :func:`check` asks the model itself. It packs a few documents into
-one row, runs the row through flexpack (``attn_implementation=register()``, mixers adapted by
-``packed_forward_kwargs(batch, model=...)``) and each document alone under ``eager``, in float64
-on CPU, on a probe of the model (a deep copy, or for a large model a tiny model of the same
-class built from a shrunk copy of its config), and compares the output of every module,
-document by document. A module that mixes tokens across documents, even one flexpack has never
-seen, is named: the first module (in the order calls finish) whose packed output differs from
-its output on the document alone.
+(docs/supported_models.md); :func:`check` asks the model itself, the object it is handed: its
+own modules, the forwards patched on its instances or classes, its hooks, in the mode it is in
+(training or eval). It packs a few documents into one row, runs the row through flexpack
+(``attn_implementation=register()``, mixers adapted by ``packed_forward_kwargs(batch,
+model=...)``) and each document alone under ``eager``, in float64 on CPU, and compares the
+output of every module, document by document. A module that mixes tokens across documents,
+even one flexpack has never seen, is named: the first module (in the order calls finish) whose
+packed output differs from its output on the document alone.
+
+The probe borrows the model: for the few calls it runs, the parameters and buffers of the
+modules it runs are float64 copies on CPU, dropout is 0 (training mode stays on: a module that
+mixes tokens only while training is seen), flexpack's attention is set; then every parameter,
+buffer, attribute, hook, config field and flexpack registry entry it touched is put back. A
+model above ``FULL_LIMIT`` parameters runs its first layers only (up to one of each kind and
+every layer that carries code of its own) and the rows of its embeddings the probe's tokens
+use; a model on the meta device (no weights to run) is probed on a tiny model of its class,
+and refused with a RuntimeError when it carries anything such a model would not have.
+
+The documents' lengths come from the config so that every length-dependent rule is crossed:
+a 1-token document, one longer than the sliding window, attention chunk, scan chunk (64, or
+the config's) and, for scaled RoPE, ``max_position_embeddings`` and
+``original_max_position_embeddings``, up to ``LONGEST`` tokens (rules above it are listed in
+``CheckReport.not_crossed``).
 
 Shapes: the probe's row is (1, S) tokens, S = sum(lengths) + 6 (the 6 are padding); a module's
 output is compared on the axis of size S in the row and L (the document's length) alone, e.g.
@@ -16,24 +31,27 @@ hidden states (1, S, H) against (1, L, H), or (S, H) for the flattened tokens of
 :func:`check`'s docstring runs a tiny Llama; on a model of your own::
 
     print(flexpack.check(model))
-    # LlamaForCausalLM: exact on packed rows (3 documents, 34 tokens, max |diff| 4.7e-07 ...)
+    # LlamaForCausalLM: exact on packed rows (5 documents, 100 tokens, max |diff| 4.7e-07 ...)
 
-Verdicts are kept per process (a second call on the same kind of model costs nothing;
-``flexpack.clear_caches()`` forgets them). :func:`verified` reads the table shipped with
-flexpack (``flexpack/assets/verified_models.json``, written by :func:`write_verified`): a
-transformers class listed there as exact on the installed transformers release is reported
-without running anything unless ``force=True``.
+A verdict is kept per model object (a ``WeakKeyDictionary``) and dropped as soon as the object
+changes in a way a user can change it: a parameter or buffer replaced, re-assigned or written,
+a forward or hook added or removed on any module, a class's forward patched, train / eval mode,
+the config (``flexpack.clear_caches()`` forgets them all). :func:`verified` reads the table
+shipped with flexpack (``flexpack/assets/verified_models.json``, written by
+:func:`write_verified` from the model zoo): it documents which classes were verified on which
+transformers release (``CheckReport.verified``); it never stands in for running the model.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import hashlib
 import json
+import re
 import time
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,16 +60,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["COPY_LIMIT", "CheckReport", "check", "verified", "write_verified"]
+__all__ = ["FULL_LIMIT", "LONGEST", "CheckReport", "check", "verified", "write_verified"]
 
-# Models with at most this many parameters are probed on a float64 deep copy (two copies: 8
-# bytes a parameter each); larger ones, and models whose weights are on the meta device or
-# quantized, on a tiny model of the same class (flexpack.integrations._tiny).
-COPY_LIMIT = 20_000_000
-LENGTHS = (11, 14, 9)  # longer than the tiny twins' windows and chunks (4 tokens)
+# Models with at most this many floating-point parameters run every layer in the probe (float64
+# copies of their weights: 8 bytes a parameter); larger ones their first layers only.
+FULL_LIMIT = 20_000_000
+LONGEST = 513  # the longest probe document: rules up to 512 tokens (windows, chunks) are crossed
+SCAN_CHUNK = 64  # chunked scans whose chunk is no config field (the gated delta rule's 64)
+SHORT = (11, 14, 1, 9)  # beside the long document: a 1-token one, and lengths under every rule
 PADDING = 6  # padding at the end of the probe's row: padding must stay out of the documents
 VERDICTS = ("exact", "refused")
+PROBES = ("auto", "model", "layers", "tiny")
 _TABLE = Path(__file__).resolve().parent / "assets" / "verified_models.json"
+# config fields of length-dependent rules: a document longer than each is in the probe
+_RULES = ("sliding_window", "attention_chunk_size", "attention_window_size", "chunk_size",
+          "mamba_chunk_size")  # fmt: skip
+# config fields and attributes that make a training forward random (set to 0 while probing)
+_RANDOM = re.compile(r"dropout|pdrop|drop_prob|drop_rate|layerdrop|jitter")
 
 
 @dataclass(frozen=True)
@@ -62,45 +87,68 @@ class CheckReport:
         model: the model's class name ("LlamaForCausalLM").
         transformers: the installed transformers version.
         flexpack: the installed flexpack version.
-        probe: what ran: "copy" (a float64 deep copy of the model), "tiny" (a float64 model of
-            the same class built from a shrunk copy of its config) or "table" (nothing: flexpack's
-            verified table lists the class as exact on this transformers release).
+        probe: what ran: "model" (the model itself, every layer), "layers" (the model itself,
+            its first ``layers`` layers: the others repeat their kinds) or "tiny" (a model of the
+            same class built from a shrunk copy of its config: the model's weights are on the
+            meta device).
         max_abs_diff: the largest |packed - alone| of the model's output (the logits) over the
-            documents; None for "table".
-        documents: documents in the probe's packed row (0 for "table").
-        tokens: their tokens, padding left out (0 for "table").
+            documents.
+        documents: documents in the probe's packed row.
+        tokens: their tokens, padding left out.
         seconds: wall time of this call.
-        cached: the verdict of an earlier call in this process, nothing run again.
+        cached: the verdict of an earlier call on this same, unchanged object; nothing run.
+        lengths: the documents' lengths.
+        training: whether the probe ran in training mode (the model's mode).
+        layers: the decoder layers that ran ("layers": a prefix of the model's; else all of
+            the probed model's).
+        not_crossed: the length-dependent rules of the config longer than ``LONGEST`` tokens,
+            which no probe document crosses ("sliding_window=4096"); pass ``lengths=`` to
+            cross them.
+        verified: flexpack's verified table's verdict for the class on this transformers
+            release ("exact", "refused" or None): what the model zoo verified, for the record.
     """
 
     model: str
     transformers: str
     flexpack: str
     probe: str
-    max_abs_diff: float | None
+    max_abs_diff: float
     documents: int
     tokens: int
     seconds: float
     cached: bool
+    lengths: tuple[int, ...] = ()
+    training: bool = False
+    layers: int | None = None
+    not_crossed: tuple[str, ...] = ()
+    verified: str | None = None
 
     def __str__(self) -> str:
         versions = f"transformers {self.transformers}, flexpack {self.flexpack}"
-        if self.probe == "table":
-            return (
-                f"{self.model}: exact on packed rows (flexpack's verified table for {versions}; "
-                "nothing run, force=True runs the probe)"
-            )
-        what = "a float64 copy" if self.probe == "copy" else "a tiny float64 twin"
+        what = {
+            "model": "the model itself",
+            "layers": f"the model itself, its first {self.layers} layers",
+            "tiny": "a tiny model of its class (its weights are on the meta device)",
+        }[self.probe]
+        mode = "training" if self.training else "eval"
+        missed = f"; not crossed: {', '.join(self.not_crossed)}" if self.not_crossed else ""
         cached = ", cached" if self.cached else ""
         return (
             f"{self.model}: exact on packed rows ({self.documents} documents, {self.tokens} "
-            f"tokens, max |diff| {self.max_abs_diff:.1e} against each document alone on {what}; "
-            f"{versions}; {self.seconds:.2f} s{cached})"
+            f"tokens, max |diff| {self.max_abs_diff:.1e} against each document alone, run on "
+            f"{what} in float64, {mode} mode{missed}; {versions}; {self.seconds:.2f} s{cached})"
         )
 
 
-# key -> CheckReport, or the ValueError message of a model that is not exact
-_verdicts: dict[tuple, CheckReport | str] = {}
+class _Verdict:
+    """A verdict and the state of the object it was reached on."""
+
+    def __init__(self, setting: tuple, state: _State, result: CheckReport | str) -> None:
+        self.setting, self.state, self.result = setting, state, result
+
+
+# model -> its last _Verdict (a CheckReport, or the ValueError message of a model not exact)
+_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _forget() -> None:
@@ -115,36 +163,37 @@ def check(
     rtol: float = 1e-5,
     probe: str = "auto",
     force: bool = False,
-    lengths: Sequence[int] = LENGTHS,
+    lengths: Sequence[int] | None = None,
 ) -> CheckReport:
     """Whether ``model`` gives each document of a packed row what it gets alone; else which
     module does not.
 
-    Packs ``lengths`` random documents into one row of S = sum(lengths) + 6 tokens (the rest is
-    padding), runs the row through flexpack (``attn_implementation=register()`` and
-    ``packed_forward_kwargs(batch, model=...)``, which adapts recurrent and conv mixers) and each
-    document alone under ``eager``, in float64 on CPU, with a forward hook on every module. Every
-    module output that has the row's tokens on one axis ((1, S, H) in the row, (1, L, H) alone,
-    or flattened (S, H)) is compared document by document; outputs of another layout (an
-    adapted mixer's per-document calls inside it, router statistics) are left out. ``model``
-    itself is not changed: the probe is a copy.
+    Packs documents of ``lengths`` (by default chosen from the config: see the module's
+    docstring) into one row of S = sum(lengths) + 6 tokens (the rest is padding), runs the row
+    through flexpack (``attn_implementation=register()`` and ``packed_forward_kwargs(batch,
+    model=...)``, which adapts recurrent and conv mixers) and each document alone under
+    ``eager``, on ``model`` itself (its parameters borrowed as float64 copies on CPU, in the
+    mode it is in, dropout 0), with a forward hook on every module. Every module output that
+    has the row's tokens on one axis ((1, S, H) in the row, (1, L, H) alone, or flattened
+    (S, H)) is compared document by document; outputs of another layout (an adapted mixer's
+    per-document calls inside it, router statistics) are left out. ``model`` is left as it
+    was: every state the probe touched is put back.
 
     Args:
         model: a transformers model (``...ForCausalLM``, a backbone, an image-text model run on
-            text), or a PEFT / DDP wrapper of one; any attention implementation.
+            text), or a PEFT / DDP wrapper of one; any attention implementation, any device.
         atol, rtol: a module output differs when max |packed - alone| > atol + rtol * max |alone|
             on a document's tokens. The probe runs in float64, but transformers computes norms
             and rotary tables in float32 inside: rounding differences of ~1e-7 relative pass
             (rtol), a token mixer that runs across documents (differences of the size of the
             output) does not.
-        probe: "copy" (a float64 deep copy: catches anything, costs two copies of the weights),
-            "tiny" (a model of the same class from :func:`flexpack.integrations._tiny.tiny_config`:
-            one layer of each kind, hidden 64; module classes added to ``model`` after it was
-            built are not in it, with a warning) or "auto": "copy" up to ``COPY_LIMIT``
-            (2e7) floating-point parameters off the meta device, else "tiny".
-        force: run the probe even if an earlier call or flexpack's verified table already has
-            the verdict.
-        lengths: the documents' lengths, at least 2 (the probe's row).
+        probe: "model" (every layer), "layers" (the first layers: one of each kind and every
+            layer with code of its own; the embeddings' rows the probe uses), "tiny" (a model of
+            the class from :func:`flexpack.integrations._tiny.tiny_config`, for weights on the
+            meta device) or "auto": "tiny" on the meta device, else "model" up to
+            ``FULL_LIMIT`` (2e7) floating-point parameters, else "layers".
+        force: run the probe even if this object's verdict is kept.
+        lengths: the documents' lengths, at least 2; default from the config.
 
     Returns:
         A :class:`CheckReport`; ``str(report)`` reads as a sentence.
@@ -152,13 +201,14 @@ def check(
     Raises:
         TypeError: ``model`` is not a ``torch.nn.Module`` with a transformers ``config``.
         ValueError: the model is not exact on packed rows: flexpack refuses one of its token
-            mixers by name (the refusal's own message), or a module's packed output differs
-            from its output on a document alone by more than the tolerance (the message names
-            the first such module's path and class, the document and the difference); also for
-            bad ``atol`` / ``rtol`` / ``probe`` / ``lengths``. Kept as a verdict: the next call
-            raises it again without running.
-        RuntimeError: no tiny model of the class could be built from its config (pass
-            ``probe="copy"``).
+            mixers (or its length-dependent RoPE) by name (the refusal's own message), or a
+            module's packed output differs from its output on a document alone by more than the
+            tolerance (the message names the first such module's path and class, the document
+            and the difference); also for bad ``atol`` / ``rtol`` / ``probe`` / ``lengths``.
+            Kept as the object's verdict: the next call on it, unchanged, raises it again.
+        RuntimeError: the model cannot be run in float64 (quantized weights), or its weights
+            are on the meta device and it has code or modules a model built from its config
+            would not have.
 
     Example:
         >>> import torch, flexpack
@@ -166,9 +216,9 @@ def check(
         >>> config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
         ...     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
         >>> model = LlamaForCausalLM(config)
-        >>> report = flexpack.check(model, force=True)  # force: run it, not the verified table
-        >>> report.probe, report.documents, report.tokens, report.max_abs_diff < 1e-5
-        ('copy', 3, 34, True)
+        >>> report = flexpack.check(model)
+        >>> report.probe, report.lengths, report.max_abs_diff < 1e-5
+        ('model', (11, 65, 14, 1, 9), True)
         >>> class RunningSum(torch.nn.Module):  # a token mixer flexpack has never seen
         ...     def forward(self, x):
         ...         return x.cumsum(dim=1)  # (B, S, H): runs across document boundaries
@@ -186,32 +236,29 @@ def check(
     import flexpack
 
     versions = (transformers.__version__, flexpack.__version__)
-    cls = type(inner)
-    kind = _probe_kind(inner) if probe == "auto" else probe
-    classes = tuple(sorted({_qualname(type(m)) for m in inner.modules()}))
-    setting = (kind, atol, rtol, tuple(lengths))  # what the verdict was reached with
-    key = (_qualname(cls), *versions, classes, _fingerprint(inner.config), setting)
-    if not force:
-        known = _verdicts.get(key)
-        if isinstance(known, str):
-            raise ValueError(known)
-        if known is not None:
-            return dataclasses.replace(known, seconds=time.perf_counter() - start, cached=True)
-        if verified(cls.__name__, versions[0]) == "exact" and _from_transformers(inner):
-            return CheckReport(cls.__name__, *versions, "table", None, 0, 0,
-                               time.perf_counter() - start, False)  # fmt: skip
+    kind = _probe_kind(inner, probe)
+    setting = (kind, atol, rtol, None if lengths is None else tuple(lengths))
+    known = _verdicts.get(inner)
+    if not force and known is not None and known.setting == setting and known.state.matches(inner):
+        if isinstance(known.result, str):
+            raise ValueError(known.result)
+        return dataclasses.replace(known.result, seconds=time.perf_counter() - start, cached=True)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: threads only wait for each other (seconds on a busy CPU)
+    if kind != "layers":
+        torch.set_num_threads(1)  # tiny ops: threads only wait for each other on a busy CPU
     try:
-        diff, documents, tokens = _probe(inner, kind, (atol, rtol), tuple(lengths))
+        found = _probe(inner, kind, (atol, rtol), lengths)
     except _NotExact as e:
-        _verdicts[key] = str(e)
+        _verdicts[inner] = _Verdict(setting, _State(inner), str(e))
         raise ValueError(str(e)) from None
     finally:
         torch.set_num_threads(threads)
-    report = CheckReport(cls.__name__, *versions, kind, diff, documents, tokens,
-                         time.perf_counter() - start, False)  # fmt: skip
-    _verdicts[key] = report
+    report = CheckReport(
+        type(inner).__name__, *versions, kind, found.diff, found.documents, found.tokens,
+        time.perf_counter() - start, False, found.lengths, inner.training, found.layers,
+        found.not_crossed, verified(type(inner).__name__, versions[0]),
+    )  # fmt: skip
+    _verdicts[inner] = _Verdict(setting, _State(inner), report)
     return report
 
 
@@ -236,13 +283,13 @@ def _unwrap(model: Any) -> torch.nn.Module:
     return inner
 
 
-def _check_arguments(atol: float, rtol: float, probe: str, lengths: Sequence[int]) -> None:
+def _check_arguments(atol: float, rtol: float, probe: str, lengths: Sequence[int] | None) -> None:
     for name, tol in (("atol", atol), ("rtol", rtol)):
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
             raise ValueError(f"{name} must be a number >= 0, got {tol!r}.")
-    if probe not in ("auto", "copy", "tiny"):
-        raise ValueError(f"probe must be 'auto', 'copy' or 'tiny', got {probe!r}.")
-    if (
+    if probe not in PROBES:
+        raise ValueError(f"probe must be one of {PROBES}, got {probe!r}.")
+    if lengths is not None and (
         isinstance(lengths, (str, bytes))
         or len(lengths) < 2
         or not all(isinstance(n, int) and n >= 1 for n in lengths)
@@ -252,118 +299,403 @@ def _check_arguments(atol: float, rtol: float, probe: str, lengths: Sequence[int
         )
 
 
-def _qualname(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+def _probe_kind(model: torch.nn.Module, probe: str) -> str:
+    params = list(model.parameters())
+    meta = any(p.device.type == "meta" for p in params)
+    if meta and probe in ("model", "layers"):
+        raise RuntimeError(
+            f"flexpack.check cannot run {type(model).__name__} with probe={probe!r}: its "
+            "weights are on the meta device. Load them, or pass probe='tiny'."
+        )
+    if meta or probe == "tiny":
+        return "tiny"
+    quantized = sorted({str(p.dtype) for p in params if not p.is_floating_point()})
+    if quantized:
+        raise RuntimeError(
+            f"flexpack.check runs the model in float64 and cannot cast its {quantized} "
+            "(quantized) weights. Check the same model unquantized (from_pretrained without "
+            "quantization_config), or built on the meta device (a tiny model of its class runs)."
+        )
+    if probe != "auto":
+        return probe
+    return "model" if sum(p.numel() for p in params) <= FULL_LIMIT else "layers"
 
 
-def _fingerprint(config: Any) -> str:
-    """A hash of the config's fields (widths, layer kinds, windows), names and dtypes left out:
-    the same class configured otherwise (a window, bidirectional layers) is checked again."""
+# ----------------------------------------------------------------------------- the object's state
+
+
+def _version(t: Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter
+        return -1
+
+
+def _hooks() -> tuple:
+    from torch.nn.modules import module
+
+    names = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+             "_global_backward_pre_hooks")  # fmt: skip
+    return tuple(tuple(getattr(module, n, {})) for n in names)
+
+
+class _State:
+    """What a user can change on a model, cheaply read: per module its class, its instance and
+    class forwards, its hooks' keys, its mode, and each parameter and buffer (the object, its
+    version counter, where its data lives); the config's fields and torch's global hooks.
+    Objects are held by weak reference (an id can be reused once its object is gone)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.plain, self.objects = self._read(model)
+        self.refs = [None if o is None else weakref.ref(o) for o in self.objects]
+
+    @staticmethod
+    def _read(model: torch.nn.Module) -> tuple[tuple, list]:
+        plain: list[Any] = [_config_hash(model.config), _hooks()]
+        objects: list[Any] = []
+        for m in model.modules():
+            d = m.__dict__
+            plain.append((
+                type(m), m.training,
+                *(tuple(d.get(n) or ()) for n in ("_forward_hooks", "_forward_pre_hooks",
+                                                   "_backward_hooks", "_backward_pre_hooks")),
+                tuple(d.get("_parameters", {})), tuple(d.get("_buffers", {})),
+                tuple(d.get("_modules", {})),
+            ))  # fmt: skip
+            objects += [m, d.get("forward"), getattr(type(m), "forward", None)]
+            for t in (*d.get("_parameters", {}).values(), *d.get("_buffers", {}).values()):
+                objects.append(t)
+                if t is not None:
+                    plain.append((_version(t), t.data_ptr() if t.device.type != "meta" else 0,
+                                  t.dtype, t.device, tuple(t.shape)))  # fmt: skip
+        return tuple(plain), objects
+
+    def matches(self, model: torch.nn.Module) -> bool:
+        plain, objects = self._read(model)
+        return (
+            plain == self.plain
+            and len(objects) == len(self.refs)
+            and all((r is None and o is None) or (r is not None and r() is o)
+                    for r, o in zip(self.refs, objects, strict=True))
+        )  # fmt: skip
+
+
+def _config_hash(config: Any) -> str:
+    """A hash of the config's fields, names and dtypes left out."""
     fields = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k not in (
-        "transformers_version", "architectures", "dtype", "torch_dtype", "attn_implementation",
+        "transformers_version", "architectures", "dtype", "torch_dtype",
     )}  # fmt: skip
     text = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _probe_kind(model: torch.nn.Module) -> str:
-    params = list(model.parameters())
-    copyable = all(p.is_floating_point() and p.device.type != "meta" for p in params)
-    return "copy" if copyable and sum(p.numel() for p in params) <= COPY_LIMIT else "tiny"
+def _own_code(m: torch.nn.Module) -> bool:
+    """Whether ``m`` carries code of its own instance: a forward set on it, or a hook (flexpack's
+    own adaptation left out)."""
+    from flexpack import mixers
 
-
-def _from_transformers(model: torch.nn.Module) -> bool:
-    """Whether the model is transformers' own class made of transformers' and torch's modules
-    only (the verified table speaks for those, not for a class of the same name or a module
-    added after loading)."""
-    import transformers
-
-    if getattr(transformers, type(model).__name__, None) is not type(model):
-        return False
-    return all(type(m).__module__.startswith(("transformers.", "torch.")) for m in model.modules())
+    forward = m.__dict__.get("forward")
+    if forward is not None and not mixers.is_adapted(m):
+        return True
+    for name in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks"):
+        for hook in (m.__dict__.get(name) or {}).values():
+            if not getattr(hook, "__module__", "").startswith("flexpack"):
+                return True
+    return False
 
 
 # ----------------------------------------------------------------------------- the probe
 
 
+@dataclass(frozen=True)
+class _Found:
+    diff: float
+    documents: int
+    tokens: int
+    lengths: tuple[int, ...]
+    layers: int | None
+    not_crossed: tuple[str, ...]
+
+
 def _probe(
-    model: torch.nn.Module, kind: str, tol: tuple[float, float], lengths: tuple[int, ...]
-) -> tuple[float, int, int]:
-    """(max |diff| of the output, documents, tokens); raises _NotExact."""
-    import flexpack
-    from flexpack.integrations.transformers import packed_forward_kwargs, register
-
-    packed, failed = _float64_twin(model, kind), None
-    reference = copy.deepcopy(packed)
-    _set_attention(reference, "eager")
-    try:
-        _set_attention(packed, register())
-    except Exception as e:  # the probe then runs the other attention: its leak is named
-        failed = f"{type(e).__name__}: {e}"
-    config = packed.config.get_text_config()
-    batch = flexpack.pack_sequences(_documents(config, lengths), sum(lengths) + PADDING)
-    spans = _spans(batch.doc_ids[0].tolist())
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "its attention is not flexpack's": the verdict says
-        row = _Recorder(packed)
-        try:  # refused by name (before the row or in an attention call): a verdict too
-            packed(**packed_forward_kwargs(batch, model=packed))
-        except ValueError as e:
-            raise _NotExact(str(e)) from None
-        finally:
-            row.remove()
-        alone = []
-        for a, b in spans:
-            calls = _Recorder(reference)
-            try:
-                reference(input_ids=batch.input_ids[:, a:b], use_cache=False)
-            finally:
-                calls.remove()
-            alone.append(calls)
-    S = batch.input_ids.shape[1]
-    diff = _compare(type(model).__name__, kind, row, alone, spans, S, tol, failed)
-    return diff, len(spans), sum(b - a for a, b in spans)
-
-
-def _float64_twin(model: torch.nn.Module, kind: str) -> torch.nn.Module:
-    """The model in float64 on CPU in eval mode: a deep copy, or a tiny model of its class with
-    random weights (its own seed; the caller's random state is left as it was)."""
-    if kind == "copy":
-        twin = copy.deepcopy(model)
+    model: torch.nn.Module, kind: str, tol: tuple[float, float], lengths: Sequence[int] | None
+) -> _Found:
+    """Run the probe on ``model`` (kind "model" / "layers") or a tiny model of its class
+    ("tiny"); raises _NotExact."""
+    target = _tiny_twin(model) if kind == "tiny" else model
+    config = target.config.get_text_config()
+    if lengths is None:
+        lengths, not_crossed = _lengths(config)
     else:
-        from flexpack.integrations._tiny import tiny_config
+        lengths, not_crossed = tuple(lengths), ()
+    documents = _documents(config, lengths)
+    rows = 1 + max(int(d.max()) for d in documents)  # the embeddings' rows the probe reads
+    with _Borrowed(target) as borrowed:
+        layers = borrowed.first_layers() if kind == "layers" else None
+        borrowed.to_float64(rows if kind == "layers" else None)
+        borrowed.deterministic()
+        diff, spans = _run(target, type(model).__name__, kind, tol, documents)
+    if layers is None:
+        layers = _layer_count(target)
+    return _Found(diff, len(spans), sum(b - a for a, b in spans), lengths, layers, not_crossed)
 
-        cls = type(model)
+
+def _lengths(config: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The probe's documents: a long one that crosses every length-dependent rule of the config
+    up to ``LONGEST`` tokens (after a short one, so that it starts off any chunk grid of the
+    row), then ``SHORT`` (under every rule; a 1-token document among them). Returns (lengths,
+    the rules not crossed)."""
+    d = config.to_dict()
+    rules = {"scan chunk": SCAN_CHUNK}
+    rules.update({k: d[k] for k in _RULES if _positive(d.get(k))})
+    for rope in _rope_parameters(config):
+        if rope.get("rope_type", rope.get("type", "default")) != "default":
+            for key in ("max_position_embeddings", "original_max_position_embeddings"):
+                value = rope.get(key, d.get(key))
+                if _positive(value):
+                    rules[key] = value
+    crossed = [v for v in rules.values() if v + 1 <= LONGEST]
+    missed = tuple(f"{k}={v}" for k, v in rules.items() if v + 1 > LONGEST)
+    return (SHORT[0], max(crossed) + 1, *SHORT[1:]), missed
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _rope_parameters(config: Any) -> list[dict]:
+    """The config's RoPE parameter dicts: one, or one per layer type (Gemma 3)."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    if any(isinstance(v, dict) for v in rope.values()):
+        return [v for v in rope.values() if isinstance(v, dict)]
+    return [rope]
+
+
+def _decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, str] | None:
+    """(parent, name) of the text model's decoder-layer ModuleList (as long as the text
+    config's num_hidden_layers), or None."""
+    n = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    found = [
+        (model.get_submodule(path.rpartition(".")[0]), path.rpartition(".")[2], path)
+        for path, m in model.named_modules()
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n and path
+    ]
+    found = [f for f in found if not re.search(r"vision|visual|audio|encoder", f[2])]
+    return (found[0][0], found[0][1]) if found else None
+
+
+def _layer_count(model: torch.nn.Module) -> int | None:
+    at = _decoder_layers(model)
+    return None if at is None else len(at[0]._modules[at[1]])
+
+
+class _Borrowed:
+    """The model, borrowed for the probe: what the probe changes and puts back on exit (every
+    module's attributes, parameters' data, buffers, hooks, child modules; every config's fields;
+    flexpack's registries about the model; torch's random state)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def __enter__(self) -> _Borrowed:
+        from flexpack import mixers
+        from flexpack.integrations import _mixers_check
+        from flexpack.integrations import transformers as hf
+
+        model = self.model
+        self.modules = [(m, _shallow(m.__dict__)) for m in model.modules()]
+        self.configs = [(c, _shallow(c.__dict__)) for c in _configs(model)]
+        self.data: list[tuple[Tensor, Tensor]] = []  # (parameter, its own data)
+        self.adapted = getattr(mixers, "_adapted", None)
+        self.was_adapted = any(mixers.is_adapted(m) for m in model.modules()) or (
+            self.adapted is not None and self.adapted(model) is not None
+        )  # fmt: skip
+        registries = (_mixers_check._checked, _mixers_check._attention, hf._aux_warned)
+        self.registries = [(r, model in r) for r in registries]
+        self.seen_configs = set(getattr(mixers, "_seen_configs", {}))
+        self.probing = _mixers_check._probing
+        _mixers_check._probing = True  # its attention's check runs no probe of its own
+        self.rng = torch.random.fork_rng(devices=[])
+        self.rng.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        from flexpack import mixers
+        from flexpack.integrations import _mixers_check
+
         try:
-            config = tiny_config(model.config, "eager")
-            with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                torch.manual_seed(0)
-                build = getattr(cls, "_from_config", None)
-                twin = build(config) if callable(build) else cls(config)
-        except Exception as e:
-            raise RuntimeError(
-                f"flexpack.check could not build a tiny {cls.__name__} from its config "
-                f"({type(e).__name__}: {e}); pass probe='copy' to check a float64 copy of the "
-                "model itself (two copies of its weights in memory)."
-            ) from e
-        lost = sorted(
-            {type(m).__name__ for m in model.modules()} - {type(m).__name__ for m in twin.modules()}
+            if not self.was_adapted:
+                mixers.restore(self.model)
+        finally:
+            for p, data in self.data:
+                p.data = data
+            for c, saved in self.configs:
+                _put_back(c.__dict__, saved)
+            for m, saved in self.modules:
+                _put_back(m.__dict__, saved)
+            for registry, had in self.registries:
+                if not had and self.model in registry:
+                    if isinstance(registry, weakref.WeakSet):
+                        registry.discard(self.model)
+                    else:
+                        del registry[self.model]
+            seen = getattr(mixers, "_seen_configs", {})
+            for key in set(seen) - self.seen_configs:
+                seen.pop(key, None)
+            _mixers_check._probing = self.probing
+            self.rng.__exit__(None, None, None)
+
+    def first_layers(self) -> int | None:
+        """Leave out the decoder layers after the first ones that hold one layer of each kind
+        (its ``layer_types`` entry, per-layer config fields, its modules' classes) and every
+        layer with code of its own; returns how many run. A prefix: index i stays layer i."""
+        at = self._layers()
+        if at is None:
+            return None
+        parent, name, layers = at
+        config = self.model.config.get_text_config()
+        d = config.to_dict()
+        per_layer = [k for k, v in d.items() if isinstance(v, list) and len(v) == len(layers)]
+        seen, last = set(), 0
+        for i, layer in enumerate(layers):
+            kind = (tuple(d[k][i] for k in per_layer),
+                    tuple(type(m).__qualname__ for m in layer.modules()))  # fmt: skip
+            if kind not in seen or any(_own_code(m) for m in layer.modules()):
+                seen.add(kind)
+                last = i
+        parent._modules[name] = torch.nn.ModuleList(list(layers)[: last + 1])
+        return last + 1
+
+    def _layers(self) -> tuple[torch.nn.Module, str, torch.nn.ModuleList] | None:
+        at = _decoder_layers(self.model)
+        return None if at is None else (*at, at[0]._modules[at[1]])
+
+    def to_float64(self, rows: int | None) -> None:
+        """Float64 copies on CPU of the parameters and buffers of the modules that run (and
+        CPU copies of tensors kept as plain attributes); with ``rows``, only that many rows of
+        the input and output embeddings."""
+        vocab: set[int] = set()
+        if rows is not None:
+            for get in ("get_input_embeddings", "get_output_embeddings"):
+                try:
+                    embedding = getattr(self.model, get)()
+                except (AttributeError, NotImplementedError):
+                    continue
+                if embedding is not None:
+                    vocab.update(id(p) for p in embedding.parameters(recurse=False))
+        done: set[int] = set()
+        for m in self.model.modules():
+            for p in m._parameters.values():
+                if p is None or id(p) in done:
+                    continue
+                done.add(id(p))
+                self.data.append((p, p.data))
+                data = p.data[:rows] if id(p) in vocab and p.shape[0] > rows else p.data
+                p.data = _cpu64(data)
+            for name, b in list(m._buffers.items()):
+                if b is not None:
+                    m._buffers[name] = _cpu64(b)
+            for name, value in list(m.__dict__.items()):
+                if isinstance(value, Tensor) and value.device.type != "cpu":
+                    m.__dict__[name] = value.cpu()
+
+    def deterministic(self) -> None:
+        """Training mode stays on; what makes a training forward random is set to 0 (dropout
+        rates on modules and configs, LayerDrop, router jitter), and every run starts from the
+        same seed."""
+        for m in self.model.modules():
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+                m.p = 0.0
+            for name, value in list(m.__dict__.items()):
+                if _random_rate(name, value):
+                    m.__dict__[name] = 0.0
+        for c, _ in self.configs:
+            for name, value in list(c.__dict__.items()):
+                if _random_rate(name, value):
+                    c.__dict__[name] = 0.0
+
+
+def _random_rate(name: str, value: Any) -> bool:
+    return isinstance(value, float) and value != 0.0 and _RANDOM.search(name.lower()) is not None
+
+
+def _cpu64(t: Tensor) -> Tensor:
+    t = t.detach()
+    if t.is_complex():
+        return t.to("cpu", torch.complex128, copy=True)
+    if t.is_floating_point():
+        return t.to("cpu", torch.float64, copy=True)
+    return t.to("cpu", copy=True)
+
+
+def _shallow(d: dict) -> dict:
+    """A copy of an object's ``__dict__`` and of the dicts in it (parameters, buffers, child
+    modules, hooks, rope parameters): what :func:`_put_back` restores."""
+    return {k: (v, dict(v) if isinstance(v, dict) else None) for k, v in d.items()}
+
+
+def _put_back(d: dict, saved: dict) -> None:
+    for key in [k for k in d if k not in saved]:
+        del d[key]
+    for key, (value, inner) in saved.items():
+        d[key] = value
+        if inner is not None:
+            value.clear()
+            value.update(inner)
+
+
+def _configs(model: torch.nn.Module) -> list[Any]:
+    """Every transformers config the model's modules hold, and their sub-configs."""
+    found: dict[int, Any] = {}
+    todo = [m.__dict__.get("config") for m in model.modules()]
+    while todo:
+        c = todo.pop()
+        if c is None or not hasattr(c, "to_dict") or id(c) in found:
+            continue
+        found[id(c)] = c
+        todo += [
+            v for v in c.__dict__.values() if hasattr(v, "to_dict") and hasattr(v, "model_type")
+        ]
+    return list(found.values())
+
+
+def _tiny_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 model of ``model``'s class from a tiny copy of its config, in its mode (random
+    weights, its own seed; the caller's random state is left as it was). Raises RuntimeError
+    when ``model`` carries code the twin would not run: a forward or hook set on a module, a
+    module class the twin does not have."""
+    from flexpack.integrations._tiny import tiny_config
+
+    cls = type(model)
+    own = [p or "the model" for p, m in model.named_modules() if _own_code(m)]
+    try:
+        config = tiny_config(model.config, "eager")
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.manual_seed(0)
+            build = getattr(cls, "_from_config", None)
+            twin = build(config) if callable(build) else cls(config)
+    except Exception as e:
+        raise RuntimeError(
+            f"flexpack.check could not build a tiny {cls.__name__} from its config "
+            f"({type(e).__name__}: {e}); load the model's weights (not on the meta device) so "
+            "that the model itself runs."
+        ) from e
+    lost = sorted(
+        {type(m).__name__ for m in model.modules()} - {type(m).__name__ for m in twin.modules()}
+    )
+    if own or lost:
+        what = ([f"code of its own on {own[:3]}"] if own else []) + (
+            [f"modules a model built from its config has not: {lost}"] if lost else []
+        )  # fmt: skip
+        raise RuntimeError(
+            f"flexpack.check cannot run {cls.__name__} (its weights are on the meta device) and "
+            f"a tiny model of its class would not run what it has: {'; '.join(what)}. Load its "
+            "weights (or build it on the CPU) and check it again: the model itself then runs."
         )
-        foreign = [n for n in lost if not _is_library_class(model, n)]
-        if foreign:
-            warnings.warn(
-                f"flexpack.check probes {cls.__name__} on a tiny model built from its config, "
-                f"which has none of the modules {foreign} (added to the model after it was "
-                "built?): they are not checked. Pass probe='copy' to check them.",
-                stacklevel=4,
-            )
-    return twin.to(device="cpu", dtype=torch.float64).eval()
-
-
-def _is_library_class(model: torch.nn.Module, name: str) -> bool:
-    module = next(type(m).__module__ for m in model.modules() if type(m).__name__ == name)
-    return module.startswith(("transformers.", "torch."))
+    return twin.to(device="cpu", dtype=torch.float64).train(model.training)
 
 
 def _set_attention(model: torch.nn.Module, name: str) -> None:
@@ -377,6 +709,58 @@ def _set_attention(model: torch.nn.Module, name: str) -> None:
         setter(name)
     else:
         model.config._attn_implementation = name
+
+
+def _run(
+    model: torch.nn.Module,
+    name: str,
+    kind: str,
+    tol: tuple[float, float],
+    documents: list[Tensor],
+) -> tuple[float, list[tuple[int, int]]]:
+    """The packed row through flexpack, each document alone under eager, on the borrowed model:
+    (max |diff| of the output, the documents' spans); raises _NotExact."""
+    import flexpack
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    failed = None
+    lengths = [len(d) for d in documents]
+    batch = flexpack.pack_sequences(documents, sum(lengths) + PADDING)
+    spans = _spans(batch.doc_ids[0].tolist())
+    with torch.no_grad(), torch.autocast("cpu", enabled=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "its attention is not flexpack's": the verdict says
+        try:
+            _set_attention(model, register())
+        except Exception as e:  # the probe then runs the other attention: its leak is named
+            failed = f"{type(e).__name__}: {e}"
+        row = _Recorder(model)
+        try:  # refused by name (before the row or in an attention call): a verdict too
+            torch.manual_seed(0)
+            model(**packed_forward_kwargs(batch, model=model))
+        except ValueError as e:
+            raise _NotExact(str(e)) from None
+        finally:
+            row.remove()
+        _set_attention(model, "eager")
+        alone = []
+        for a, b in spans:
+            calls = _Recorder(model)
+            try:
+                torch.manual_seed(0)
+                model(input_ids=batch.input_ids[:, a:b], use_cache=False)
+            finally:
+                calls.remove()
+            alone.append(calls)
+    S = batch.input_ids.shape[1]
+    return _compare(name, kind, row, alone, spans, S, tol, failed), spans
+
+
+def _layers_note(kind: str) -> str:
+    return {
+        "model": "the model itself (float64 copies of its weights)",
+        "layers": "the model itself, its first layers (float64 copies of their weights)",
+        "tiny": "a tiny float64 model of the same class (layer numbers are the tiny model's)",
+    }[kind]
 
 
 def _documents(config: Any, lengths: tuple[int, ...]) -> list[Tensor]:
@@ -509,9 +893,7 @@ def _leak_message(name, kind, row, alone, spans, S, tol, path, k, worst, failed)
     (diff, scale), i = worst
     a, b = spans[i]
     where = f"`{path}` ({row.classes[path]})" if path else f"the model's own forward ({name})"
-    probe = "a float64 copy of the model" if kind == "copy" else (
-        "a tiny float64 model of the same class (layer numbers are the tiny model's)"
-    )  # fmt: skip
+    probe = _layers_note(kind)
     message = (
         f"flexpack.check: {name} is not exact on packed rows: the first module whose output "
         f"differs from the document alone is {where}: by {diff:.2e} on document {i + 1} of "
@@ -589,8 +971,9 @@ def write_verified(
 
     Regenerate ``flexpack/assets/verified_models.json`` from the model zoo
     (``tests/test_model_zoo.py``): one entry per model class the zoo ran, on the transformers
-    release it ran on. Only verdicts the zoo proved belong here: :func:`check` skips its probe
-    for a class listed as "exact" on the installed release.
+    release it ran on. Only verdicts the zoo proved belong here. The table documents them
+    (:func:`check` reports the class's entry as ``CheckReport.verified``); it never stands in
+    for running a model: a model of a listed class can carry code of its own.
 
     Args:
         path: the JSON file.

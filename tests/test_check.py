@@ -2,13 +2,17 @@
 
 Differential, as the model zoo: the verdicts are what the models do (a tiny Llama and a tiny
 Mamba are exact, GPT-1 is refused by name, a token mixer flexpack has never seen is named by its
-module path), and the verified table round-trips through its writer and reader.
+module path, whether it is a module, a forward patched on a class or an instance, a hook or
+code that runs only in training), the verdict is kept per object until the object changes, and
+the verified table round-trips through its writer and reader (it never replaces a run).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import types
 import warnings
 
 import pytest
@@ -71,15 +75,41 @@ class ShiftThenProject(torch.nn.Module):
         return self.proj(shifted)
 
 
+def _leaky_forward(mlp: torch.nn.Module):
+    """An instance forward for a LlamaMLP that adds a running sum over the row: a leak."""
+    return types.MethodType(lambda self, x: type(self).forward(self, x) + x.cumsum(1), mlp)
+
+
+class TrainingOnlyMixer(torch.nn.Module):
+    """Wraps an MLP; mixes tokens across the row only while training."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.mlp(x)
+        return out + 0.3 * x.cumsum(dim=1) if self.training else out
+
+
 def test_tiny_llama_is_exact():
     model = tiny_llama()
-    report = flexpack.check(model, force=True)  # force: run the probe, not the verified table
+    report = flexpack.check(model)
     assert report.model == "LlamaForCausalLM"
     assert report.transformers == transformers.__version__
     assert report.flexpack == flexpack.__version__
-    assert (report.probe, report.documents, report.tokens, report.cached) == ("copy", 3, 34, False)
+    assert (report.probe, report.documents, report.tokens, report.cached) == (
+        "model",
+        5,
+        100,
+        False,
+    )
+    # the scan chunk (64) crossed after an 11-token document; a 1-token document
+    assert report.lengths == (11, 65, 14, 1, 9) and report.not_crossed == ()
     assert report.max_abs_diff < 1e-5 and report.seconds > 0
-    assert str(report).startswith("LlamaForCausalLM: exact on packed rows (3 documents, 34 tokens")
+    assert report.training and report.layers == 2
+    assert str(report).startswith("LlamaForCausalLM: exact on packed rows (5 documents, 100 tokens")
+    assert "the model itself in float64, training mode" in str(report)
     with pytest.raises(dataclasses.FrozenInstanceError):
         report.cached = True
 
@@ -89,20 +119,36 @@ def test_second_call_is_cached():
     first = flexpack.check(model, force=True)
     second = flexpack.check(model)
     assert second.cached and not first.cached
-    assert second.max_abs_diff == first.max_abs_diff and second.probe == "copy"
+    assert second.max_abs_diff == first.max_abs_diff and second.probe == "model"
     assert second.seconds < first.seconds
     assert "cached" in str(second)
-    # another configuration of the same class is checked again, not answered from the cache
-    assert not flexpack.check(tiny_llama(hidden_size=48), force=True).cached
+    # another object of the same class and config is run, not answered from the first's verdict
+    other = tiny_llama()
+    assert not flexpack.check(other).cached
+    other.model.layers[0].mlp.forward = _leaky_forward(other.model.layers[0].mlp)
+    with pytest.raises(ValueError, match=r"`model\.layers\.0\.mlp` \(LlamaMLP\)"):
+        flexpack.check(other)
+    assert flexpack.check(model).cached  # the first model's verdict is its own
 
 
-def test_the_users_model_is_left_as_it_was():
-    model = tiny_llama(attn_implementation="sdpa")
+@pytest.mark.parametrize("training", [True, False], ids=["training", "eval"])
+def test_the_users_model_is_left_as_it_was(training):
+    from flexpack.check import _State
+
+    model = tiny_llama(attn_implementation="sdpa", attention_dropout=0.25).train(training)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    flexpack.check(model, force=True)
-    assert model.config._attn_implementation == "sdpa"
-    assert model.training and next(model.parameters()).dtype == torch.float32
+    params = {n: (p, p.data_ptr()) for n, p in model.named_parameters()}
+    attributes = [(m, dict(m.__dict__)) for m in model.modules()]
+    state, rng = _State(model), torch.get_rng_state()
+    flexpack.check(model)
+    assert state.matches(model) and torch.equal(torch.get_rng_state(), rng)
+    assert model.config._attn_implementation == "sdpa" and model.config.attention_dropout == 0.25
+    assert model.model.layers[0].self_attn.attention_dropout == 0.25
+    assert model.training == training and next(model.parameters()).dtype == torch.float32
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+    assert all(dict(m.__dict__).keys() == d.keys() for m, d in attributes)
+    for n, p in model.named_parameters():
+        assert p is params[n][0] and p.data_ptr() == params[n][1], n
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -154,8 +200,8 @@ def test_a_pure_ssm_is_adapted_and_exact():
                                       num_hidden_layers=2, conv_kernel=4, expand=2)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.MambaForCausalLM(config)
-    report = flexpack.check(model, force=True)
-    assert (report.model, report.documents) == ("MambaForCausalLM", 3)
+    report = flexpack.check(model)
+    assert (report.model, report.documents) == ("MambaForCausalLM", 5)
     assert report.max_abs_diff < 1e-5
     assert not any(mixers.is_adapted(m) for m in model.modules())
 
@@ -167,28 +213,44 @@ def test_a_hybrid_model_is_adapted_and_exact():
     config = tiny_config(transformers.Qwen3_5TextConfig())
     assert sorted(set(config.layer_types)) == ["full_attention", "linear_attention"]
     torch.manual_seed(0)
-    report = flexpack.check(transformers.Qwen3_5ForCausalLM(config), force=True)
-    assert (report.model, report.probe, report.documents) == ("Qwen3_5ForCausalLM", "copy", 3)
+    report = flexpack.check(transformers.Qwen3_5ForCausalLM(config))
+    assert (report.model, report.probe, report.documents) == ("Qwen3_5ForCausalLM", "model", 5)
     assert report.max_abs_diff < 1e-5
 
 
-def test_a_large_model_is_probed_on_a_tiny_twin():
-    """A model too large to copy (here: on the meta device, 0.4 B parameters) is probed on a
-    model of its class built from a shrunk copy of its config."""
+def test_a_model_on_the_meta_device_is_probed_on_a_tiny_twin():
+    """No weights to run (0.4 B parameters on the meta device): a model of its class built
+    from a shrunk copy of its config runs, unless the model carries what that one would not."""
     config = transformers.LlamaConfig(hidden_size=2048, intermediate_size=5504,
                                       num_hidden_layers=6, num_attention_heads=16)  # fmt: skip
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config)
-    report = flexpack.check(model, force=True)
-    assert report.probe == "tiny" and report.documents == 3
-    assert "a tiny float64 twin" in str(report)
-
-
-def test_the_tiny_twin_warns_about_modules_it_does_not_have():
-    model = tiny_llama()
+    report = flexpack.check(model)
+    assert report.probe == "tiny" and report.documents == 5
+    assert "a tiny model of its class (its weights are on the meta device)" in str(report)
+    model.model.layers[3].mlp.forward = _leaky_forward(model.model.layers[3].mlp)
+    with pytest.raises(RuntimeError, match=r"code of its own on \['model\.layers\.3\.mlp'\]"):
+        flexpack.check(model)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
     model.model.layers[1].mlp = RunningSum()
-    with pytest.warns(UserWarning, match=r"\['RunningSum'\].*probe='copy'"):
-        flexpack.check(model, probe="tiny")
+    with pytest.raises(RuntimeError, match=r"\['RunningSum'\].*Load its weights"):
+        flexpack.check(model)
+
+
+def test_a_large_model_runs_its_first_layers(monkeypatch):
+    """Above FULL_LIMIT parameters the model itself runs its first layers (one of each kind,
+    and every layer with code of its own) and the embedding rows the probe's tokens use."""
+    monkeypatch.setattr(sys.modules["flexpack.check"], "FULL_LIMIT", 1000)
+    model = tiny_llama(num_hidden_layers=4)
+    report = flexpack.check(model)
+    assert (report.probe, report.layers) == ("layers", 1)
+    assert "its first 1 layers" in str(report)
+    assert len(model.model.layers) == 4 and model.lm_head.weight.shape == (128, 32)
+    model.model.layers[2].mlp.forward = _leaky_forward(model.model.layers[2].mlp)
+    with pytest.raises(ValueError, match=r"`model\.layers\.2\.mlp` \(LlamaMLP\)"):
+        flexpack.check(model)
+    assert len(model.model.layers) == 4
 
 
 def test_the_verified_table_round_trips(tmp_path):
@@ -213,18 +275,18 @@ def test_the_verified_table_round_trips(tmp_path):
         write_verified(path, {"LlamaForCausalLM": {"5.25.0": "leaks"}})
 
 
-def test_a_verified_class_skips_the_probe(tmp_path, monkeypatch):
-    """A transformers class the table lists as exact on the installed release: nothing runs,
-    unless force=True; a model with a module of its own is probed whatever the table says."""
-    import sys
-
+def test_the_verified_table_never_replaces_a_run(tmp_path, monkeypatch):
+    """A class the table lists as exact on the installed release is still run: the table is
+    reported (report.verified), and a model of that class that leaks is found."""
     table = tmp_path / "verified.json"
     write_verified(table, {"LlamaForCausalLM": {transformers.__version__: "exact"}})
     monkeypatch.setattr(sys.modules["flexpack.check"], "_TABLE", table)
     report = flexpack.check(tiny_llama())
-    assert (report.probe, report.max_abs_diff, report.documents) == ("table", None, 0)
-    assert "verified table" in str(report) and "force=True" in str(report)
-    assert flexpack.check(tiny_llama(), force=True).probe == "copy"
+    assert (report.probe, report.verified, report.documents) == ("model", "exact", 5)
+    model = tiny_llama()
+    model.model.layers[1].mlp.forward = _leaky_forward(model.model.layers[1].mlp)
+    with pytest.raises(ValueError, match=r"`model\.layers\.1\.mlp` \(LlamaMLP\)"):
+        flexpack.check(model)
 
 
 def test_the_shipped_table_is_well_formed():
@@ -246,7 +308,7 @@ def test_bad_input_says_what_was_expected():
     for bad, match in (
         (dict(atol=-1.0), "atol must be a number >= 0"),
         (dict(rtol=float("nan")), "rtol must be a number >= 0"),
-        (dict(probe="deep"), "probe must be 'auto', 'copy' or 'tiny'"),
+        (dict(probe="copy"), "probe must be one of \\('auto', 'model', 'layers', 'tiny'\\)"),
         (dict(lengths=(5,)), "at least 2 document lengths"),
     ):
         with pytest.raises(ValueError, match=match):
@@ -283,3 +345,139 @@ def test_first_forward_outside_the_verified_range_runs_the_check(monkeypatch):
             leaky(**packed_forward_kwargs(batch))
     monkeypatch.undo()
     _mixers_check._checked.clear()
+
+
+def test_a_forward_patched_on_the_class_is_run():
+    model = tiny_llama()
+    cls = type(model.model.layers[0].mlp)
+    own = cls.forward
+    cls.forward = lambda self, x: own(self, x) + x.cumsum(1)
+    try:
+        with pytest.raises(ValueError, match=r"`model\.layers\.0\.mlp` \(LlamaMLP\)"):
+            flexpack.check(model)
+    finally:
+        cls.forward = own
+    assert not flexpack.check(model).cached  # the class changed back: run again, exact
+
+
+def test_a_forward_hook_is_run():
+    model = tiny_llama()
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: out + out.cumsum(1))
+    with pytest.raises(ValueError, match=r"`model\.layers\.1\.mlp` \(LlamaMLP\)"):
+        flexpack.check(model)
+    handle.remove()
+    assert flexpack.check(model).max_abs_diff < 1e-5
+
+
+def test_the_probe_runs_in_the_models_mode():
+    """A module that mixes tokens only while training is found in training mode (the probe
+    never calls .eval()); the same model in eval mode is exact. Dropout stays out of it."""
+    model = tiny_llama(attention_dropout=0.5)
+    model.model.layers[1].mlp = TrainingOnlyMixer(model.model.layers[1].mlp)
+    with pytest.raises(ValueError, match=r"`model\.layers\.1\.mlp` \(TrainingOnlyMixer\)"):
+        flexpack.check(model.train())
+    report = flexpack.check(model.eval())
+    assert not report.training and "eval mode" in str(report)
+    assert model.model.layers[1].self_attn.attention_dropout == 0.5
+    assert flexpack.check(tiny_llama(attention_dropout=0.5).train()).training  # exact, dropout 0
+
+
+def _swap_weight(model):
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+
+
+def _write_weight(model):
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2)
+
+
+def _swap_data(model):
+    model.model.norm.weight.data = model.model.norm.weight.data.clone()
+
+
+def _hook(model):
+    model.model.layers[0].register_forward_pre_hook(lambda m, a: None)
+
+
+def _forward(model):
+    mlp = model.model.layers[1].mlp
+    mlp.forward = types.MethodType(type(mlp).forward, mlp)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [_swap_weight, _write_weight, _swap_data, _hook, _forward, lambda m: m.eval(),
+     lambda m: setattr(m.model.layers[0], "mlp", RunningSum())],
+    ids=["parameter_replaced", "parameter_written", "data_swapped", "hook_added",
+         "instance_forward", "eval_mode", "module_replaced"],
+)  # fmt: skip
+def test_a_verdict_is_dropped_when_the_object_changes(change):
+    model = tiny_llama()
+    flexpack.check(model)
+    assert flexpack.check(model).cached
+    change(model)
+    try:
+        assert not flexpack.check(model).cached
+    except ValueError:  # RunningSum leaks: run again and found
+        assert change.__name__ == "<lambda>"
+
+
+def test_dynamic_rope_is_refused_by_name():
+    """rope_type='dynamic' rescales a whole call by max(position_ids) + 1: a short document
+    packed beside a long one differs from itself alone. The packed call refuses it, and check's
+    lengths cross max_position_embeddings; a static scaling (linear) is exact."""
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    rope = dict(rope_theta=10000.0, factor=2.0)
+    dynamic = tiny_llama(
+        max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", **rope}
+    )
+    refused = r"llama model exact on packed rows: its RoPE is rope_type='dynamic'.*longer than 16"
+    with pytest.raises(ValueError, match=refused):
+        flexpack.check(dynamic)
+    batch = flexpack.pack_sequences([torch.arange(3, 43), torch.arange(3, 9)], 48)
+    dynamic.set_attn_implementation(register())
+    with pytest.raises(ValueError, match="rope_type='dynamic'"), torch.no_grad():
+        dynamic(**packed_forward_kwargs(batch, model=dynamic))
+    with torch.no_grad():  # one document, unpacked: nothing to refuse
+        dynamic(input_ids=torch.arange(3, 43)[None])
+    linear = tiny_llama(
+        max_position_embeddings=300, rope_parameters={"rope_type": "linear", **rope}
+    )
+    report = flexpack.check(linear)
+    assert max(report.lengths) == 301 and report.max_abs_diff < 1e-5
+
+
+def test_the_lengths_cross_the_configs_rules():
+    from flexpack.check import _lengths
+
+    assert _lengths(transformers.MistralConfig(sliding_window=100)) == ((11, 101, 14, 1, 9), ())
+    lengths, missed = _lengths(transformers.MistralConfig(sliding_window=4096))
+    assert lengths == (11, 65, 14, 1, 9) and missed == ("sliding_window=4096",)
+    scaled = transformers.LlamaConfig(
+        max_position_embeddings=40,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                         "original_max_position_embeddings": 10},
+    )  # fmt: skip
+    assert _lengths(scaled)[0] == (11, 65, 14, 1, 9)  # past 40 and 10, and the scan chunk
+    assert _lengths(transformers.LlamaConfig())[0] == (11, 65, 14, 1, 9)  # no scaling: no limit
+
+
+def test_check_leaves_flexpacks_own_state_as_it_was():
+    """The probe adapts the hybrid model's mixers and marks its config seen; both are undone,
+    so the model's own first packed forward (no model=) still adapts it and is exact."""
+    from flexpack import mixers
+    from flexpack.integrations._tiny import tiny_config
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    config = tiny_config(transformers.Qwen3_5TextConfig(), register())
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForCausalLM(config)
+    batch = flexpack.pack_sequences([torch.arange(3, 20), torch.arange(5, 30)], 48)
+    flexpack.check(model)
+    assert not any(mixers.is_adapted(m) for m in model.modules())
+    with torch.no_grad():
+        row = model(**packed_forward_kwargs(batch)).logits
+        model.set_attn_implementation("eager")
+        alone = model(input_ids=torch.arange(5, 30)[None]).logits
+    torch.testing.assert_close(row[0, 17:42], alone[0], atol=1e-4, rtol=1e-4)

@@ -545,6 +545,7 @@ def flexpack_attention_forward(
             kwargs=kwargs,
         )  # fmt: skip
     _mixers_check.check_call(module)  # refuse, by name, what packed rows cannot keep exact
+    _refuse_length_dependent_rope(module, query.shape[2], kwargs)
     if value.shape[-1] != query.shape[-1]:  # MLA: value heads of another width than q/k heads
         return _mla_attention(module, query, key, value, attention_mask, scaling, dropout, kwargs)
     B, Hq, S, _ = query.shape
@@ -643,6 +644,49 @@ def flexpack_attention_forward(
         softcap=softcap, backend=backend,
     )  # fmt: skip
     return out.transpose(1, 2).contiguous(), None  # (B, S, Hq, D)
+
+
+# RoPE types whose frequencies transformers picks per call from max(position_ids) + 1
+# (modeling_rope_utils.dynamic_rope_update): on a packed row, from its longest document.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def length_dependent_rope(config: Any) -> str | None:
+    """The config's RoPE type when transformers rescales it per call by the call's longest
+    position ("dynamic" and the types named after it, "longrope"), else None."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return None
+    found = [v for v in rope.values() if isinstance(v, dict)] or [rope]  # per layer type
+    for params in found:
+        kind = params.get("rope_type", params.get("type"))
+        if isinstance(kind, str) and any(k in kind for k in LENGTH_DEPENDENT_ROPE):
+            return kind
+    return None
+
+
+def _refuse_length_dependent_rope(module: torch.nn.Module, S: int, kwargs: dict[str, Any]) -> None:
+    """A packed call of a model whose RoPE depends on the call's longest position: a short
+    document packed beside a long one would get other rotary frequencies than alone."""
+    config = getattr(module, "config", None)
+    kind = length_dependent_rope(config)
+    if kind is None:
+        return
+    doc_ids, seq_idx, position_ids = _sources(module, S, kwargs)
+    if not _packed({"doc_ids": doc_ids, "seq_idx": seq_idx, "position_ids": position_ids}):
+        return
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    limit = rope.get("original_max_position_embeddings") or getattr(
+        config, "original_max_position_embeddings", None
+    ) or getattr(config, "max_position_embeddings", None)  # fmt: skip
+    raise ValueError(
+        f"flexpack cannot keep this {getattr(config, 'model_type', type(module).__name__)} model "
+        f"exact on packed rows: its RoPE is rope_type={kind!r}, which transformers rescales for a "
+        "whole call from its longest position (max(position_ids) + 1), so a document packed "
+        f"beside one longer than {limit} tokens gets other rotary frequencies than it gets "
+        "alone. Load it with a RoPE fixed per model (rope_type 'default', 'linear' or 'yarn'), "
+        "or train it unpacked (one sample per row) with attn_implementation='sdpa'."
+    )
 
 
 def _sources(module: torch.nn.Module, S: int, kwargs: dict[str, Any]) -> tuple:
