@@ -529,6 +529,74 @@ def test_unpackable_batch_falls_back_to_trl_with_a_warning(model_dir, tokenizer,
     assert torch.equal(lp, want) and trainer.flexpack_stats.fallbacks == 1
 
 
+@pytest.mark.parametrize("kind", ["GRPOTrainer", "RLOOTrainer"])
+@pytest.mark.parametrize("which", ["one_truncated", "all_truncated"])
+def test_mask_truncated_completions_trains_as_trl(model_dir, tokenizer, tmp_path, kind, which):
+    """mask_truncated_completions=True, TRL's own test layout (generation mocked): of three
+    completions of 8 tokens one ends without EOS, one has EOS then padding, one has EOS as its
+    last token. The truncated completion leaves the loss; flexpack's trainer (the truncated
+    row holds no completion token, so no tree holds it) and TRL's train alike, losses and
+    weights, and the weights move. With every completion truncated, neither moves a weight."""
+    from unittest.mock import patch
+
+    truncated = [1, 2, 3, 4, 5, 6, 7, 8]
+    rows = {
+        "one_truncated": [truncated, [9, 10, 11, EOS, PAD, PAD, PAD, PAD], [*range(12, 19), EOS]],
+        "all_truncated": [truncated, [*range(9, 17)], [*range(12, 20)]],
+    }[which]
+
+    def fake_generate(input_ids, **_):
+        completions = torch.tensor(rows).repeat(input_ids.shape[0] // 3, 1)
+        return torch.cat([input_ids, completions.to(input_ids.device)], dim=1)
+
+    config = {"GRPOTrainer": trl.GRPOConfig, "RLOOTrainer": trl.RLOOConfig}[kind]
+    g = torch.Generator().manual_seed(0)
+    data = datasets.Dataset.from_dict({"prompt": [words(g, n) for n in (5, 9, 3, 7, 4, 6)]})
+    runs = {}
+    for name, cls in (("trl", getattr(trl, kind)), ("flexpack", getattr(ftrl, kind))):
+        args = config(
+            output_dir=str(tmp_path / name), per_device_train_batch_size=3, num_generations=3,
+            max_completion_length=8, mask_truncated_completions=True, use_cpu=True, bf16=False,
+            report_to=[], max_steps=2, seed=0, logging_steps=1, save_strategy="no",
+            optim="sgd", learning_rate=0.1, model_init_kwargs={"dtype": torch.float32},
+        )  # fmt: skip
+        trainer = cls(
+            model=str(model_dir / "llama"), reward_funcs=reward, train_dataset=data, args=args,
+            processing_class=tokenizer,
+        )  # fmt: skip
+        before = weights(trainer.model)
+        with (
+            warnings.catch_warnings(),
+            patch(
+                "transformers.generation.utils.GenerationMixin.generate", side_effect=fake_generate
+            ),
+        ):
+            warnings.simplefilter("ignore")
+            trainer.train()
+        after = weights(trainer.model)
+        moved = max((after[k] - before[k]).abs().max().item() for k in before)
+        runs[name] = (losses(trainer), after, moved, trainer)
+    (want, want_w, want_moved, _), (got, got_w, got_moved, ours) = runs["trl"], runs["flexpack"]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), atol=1e-4, rtol=0)
+    for k in want_w:
+        torch.testing.assert_close(got_w[k], want_w[k], atol=1e-4, rtol=0, msg=k)
+    if which == "one_truncated":
+        assert want_moved > 1e-3 and got_moved > 1e-3
+    else:
+        assert want_moved == got_moved == 0
+    assert ours.flexpack_stats.calls >= 2 and ours.flexpack_stats.fallbacks == 0
+
+
+def test_dpo_fallback_warning_names_what_the_call_carried():
+    """The reason DPO's call takes TRL's path names the call's arguments (it once read
+    "DPO passed inputs flexpack does not pack ([])")."""
+    why = ftrl._dpo_call_unpacked((), {"input_ids": 1, "attention_mask": 1}, [])
+    assert "no fused_lm_head=True" in why and "compute_metrics" in why
+    why = ftrl._dpo_call_unpacked((1,), {"fused_lm_head": True}, ["pixel_values"])
+    assert "1 positional argument" in why and "pixel_values" in why
+    assert "fused_lm_head" not in why.replace("pixel_values", "")
+
+
 def dpo_data(n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     rows = {"prompt": [], "chosen": [], "rejected": []}
