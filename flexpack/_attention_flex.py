@@ -38,6 +38,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from flexpack import _compat
 from flexpack._attention_sdpa import _tokens, _untokens, cached_plan, document_groups
+from flexpack._tensor_cache import make_room
 
 
 class RecompileLimitError(RuntimeError):
@@ -239,8 +240,7 @@ def softcap_score_mod(softcap: float, device: torch.device):
         def softcap_mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor):
             return cap * torch.tanh(score / cap)
 
-        if len(_SOFTCAP_MODS) >= 16:
-            _SOFTCAP_MODS.pop(next(iter(_SOFTCAP_MODS)))
+        make_room(_SOFTCAP_MODS, 16)
         mod = _SOFTCAP_MODS[key] = softcap_mod
     return mod
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, create_mask
 
-from flexpack._tensor_cache import PerTensor
+from flexpack._tensor_cache import PerTensor, make_room
 from flexpack.layout import _check_int32_tokens
 
 
@@ -255,8 +255,7 @@ def _band(key: tuple, build: Callable[[], Tensor]) -> Tensor:
     """Band masks depend only on (length, window, chunk, device): built once each, kept few."""
     hit = _BANDS.get(key)
     if hit is None:
-        if len(_BANDS) >= _MAX_BANDS:
-            _BANDS.pop(next(iter(_BANDS)))
+        make_room(_BANDS, _MAX_BANDS)
         hit = _BANDS[key] = build()
     return hit
 

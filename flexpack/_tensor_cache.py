@@ -32,10 +32,18 @@ allocator and multiprocessing use), not to the tensor: ``torch.utils.swap_tensor
 tensor that has a Python weak reference, so a tensor flexpack has read (doc ids, position ids)
 can be swapped. A new tensor at a freed one's ``id`` over a new storage does not match; over the
 same live storage, in the same layout and version, it holds what the old one held.
+
+State that lives in a user's objects survives what users do to them. A stamp never changes once
+made: ``copy.copy`` and ``copy.deepcopy`` share it (copying its weak reference's raw handle would
+free it twice), and a pickled stamp comes back expired (a weak reference means nothing in another
+process). A cache copied or pickled comes back empty. Caches of one forward's derived values
+(the masks of the ids a model's layers share) are kept per thread (:class:`PerThread`): two
+models called from two threads never read each other's.
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable
 from typing import Generic, TypeVar
@@ -98,8 +106,9 @@ def _cdata(t: Tensor) -> int | None:
 
 
 def _storage(t: Tensor) -> tuple[StorageWeakRef, int] | None:
-    """A weak reference to ``t``'s storage and its address; None where it has none."""
-    if _cdata(t) is None:
+    """A weak reference to ``t``'s storage and its address; None where it has none (and for a
+    traced value, whose storage is freed with the trace)."""
+    if torch.compiler.is_compiling() or _cdata(t) is None:
         return None
     storage = t.untyped_storage()
     return StorageWeakRef(storage), storage._cdata
@@ -128,6 +137,15 @@ class Stamp:
         self._layout = _layout(t)
         self._content = _content(t)
 
+    def __copy__(self) -> Stamp:
+        return self  # never changes once made
+
+    def __deepcopy__(self, memo: dict) -> Stamp:
+        return self  # a copy of the weak reference's handle would be freed twice
+
+    def __reduce__(self) -> tuple:
+        return (expired, ())  # a weak reference does not cross processes
+
     def matches(self, t: Tensor) -> bool:
         """Whether ``t`` is the stamped tensor, unmodified as far as the stamp can tell."""
         if self._storage is not None:
@@ -141,6 +159,13 @@ class Stamp:
         if self._content is _UNCOPYABLE:
             return False
         return self._content is None or torch.equal(self._content, _plain(t))
+
+
+def expired() -> Stamp:
+    """A stamp that matches no tensor (what a pickled stamp becomes)."""
+    stamp = Stamp.__new__(Stamp)
+    stamp._storage = stamp._ref = stamp._version = stamp._layout = stamp._content = None
+    return stamp
 
 
 def stamps(tensors: Iterable[Tensor | None]) -> tuple[Stamp | None, ...]:
@@ -159,6 +184,16 @@ def all_match(stamped: tuple[Stamp | None, ...] | None, tensors: Iterable[Tensor
         if (s is None) != (t is None) or (s is not None and not s.matches(t)):
             return False
     return True
+
+
+def make_room(entries: dict, maxsize: int) -> None:
+    """Drop the oldest of ``entries`` until one more fits under ``maxsize`` (a module-level
+    cache: another thread may be evicting or clearing it at the same time)."""
+    while len(entries) >= maxsize:
+        try:
+            entries.pop(next(iter(entries)), None)
+        except (StopIteration, RuntimeError):  # emptied, or resized, by another thread
+            break
 
 
 _CACHES: list[weakref.ref] = []
@@ -181,10 +216,18 @@ class PerTensor(Generic[_V]):
     def __init__(self, maxsize: int = 16) -> None:
         self.maxsize = maxsize
         self._entries: dict[tuple, tuple[Stamp, _V]] = {}
+        self._lock = threading.Lock()  # entries are read and written from any thread
         _CACHES.append(weakref.ref(self))
 
+    def __deepcopy__(self, memo: dict) -> PerTensor[_V]:
+        return PerTensor(self.maxsize)  # a copy starts empty
+
+    def __reduce__(self) -> tuple:
+        return (PerTensor, (self.maxsize,))
+
     def get(self, t: Tensor, build: Callable[[], _V], key: Hashable = ()) -> _V:
-        hit = self._entries.get((id(t), key))
+        with self._lock:
+            hit = self._entries.get((id(t), key))
         if hit is not None and hit[0].matches(t):
             return hit[1]
         value = build()
@@ -192,13 +235,49 @@ class PerTensor(Generic[_V]):
         return value
 
     def put(self, t: Tensor, value: _V, key: Hashable = ()) -> None:
-        slot = (id(t), key)
-        if slot not in self._entries and len(self._entries) >= self.maxsize:
-            self._entries.pop(next(iter(self._entries)))
-        self._entries[slot] = (Stamp(t), value)
+        slot, stamp = (id(t), key), Stamp(t)
+        with self._lock:
+            if slot not in self._entries and len(self._entries) >= self.maxsize:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[slot] = (stamp, value)
 
     def clear(self) -> None:
-        self._entries.clear()
+        with self._lock:
+            self._entries.clear()
+
+
+# clear_caches() bumps it: every thread's PerThread dict is then stale.
+_generation = 0
+
+
+class PerThread:
+    """A dict per thread, for what one forward derives and its layers share (the masks of one
+    row's ids): a thread reads only what it wrote, so two models called from two threads never
+    build from each other's ids. :func:`clear_caches` empties every thread's.
+
+    Example:
+        >>> cache = PerThread()
+        >>> cache.get()["masks"] = 1; cache.get()
+        {'masks': 1}
+        >>> clear_caches(); cache.get()
+        {}
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def get(self) -> dict:
+        """This thread's dict."""
+        local = self._local
+        if getattr(local, "generation", None) != _generation:
+            local.generation, local.values = _generation, {}
+        return local.values
+
+    def __deepcopy__(self, memo: dict) -> PerThread:
+        return PerThread()
+
+    def __reduce__(self) -> tuple:
+        return (PerThread, ())
 
 
 _CLEARS: list[Callable[[], None]] = []
@@ -219,6 +298,8 @@ def clear_caches() -> None:
         >>> import flexpack
         >>> flexpack.clear_caches()
     """
+    global _generation
+    _generation += 1
     for ref in _CACHES:
         cache = ref()
         if cache is not None:

@@ -508,32 +508,34 @@ class Mask:
         return moved
 
     def _rebuilt(self, move: Callable[[Tensor | None], Tensor | None]) -> Mask:
-        k = self.kind
-        if k in ("and", "or"):
-            return _compose(k, tuple(c._rebuilt(move) for c in self.children))
-        if k == "not":
-            return ~self.children[0]._rebuilt(move)
-        if k == "causal":
-            return self
-        if k == "sliding_window":
-            return _sliding_window(self.window, move(self._window_t))
-        if k == "tree":
-            seg, ends = move(self.doc_ids), move(self._tree_ends)  # type: ignore[attr-defined]
-            return _tree_from_tables(seg, ends)
-        if k == "prefix_lm":
-            d, flags = move(self.doc_ids), move(self._in_prefix)
-            return Mask(
-                "prefix_lm",
-                _named(_prefix_lm_mod(d, flags), "prefix_lm"),
-                doc_ids=d,
-                in_prefix=flags,
-            )
-        d = move(self.doc_ids)
-        if k == "document":
-            return document(d)
-        if k == "document_causal":
-            return _document_causal(d)
-        return padding(d)
+        """The same mask over ``move``'s result for each of its tensors."""
+        return self if self.kind == "causal" else _from_parts(self._parts(), move)
+
+    def _parts(self) -> tuple:
+        """(kind, window, tensors, children's parts): what rebuilds this mask."""
+        if self.children:
+            return (self.kind, None, (), tuple(c._parts() for c in self.children))
+        tensors = {
+            "causal": (),
+            "sliding_window": (self._window_t,),
+            "tree": (self.doc_ids, getattr(self, "_tree_ends", None)),
+            "prefix_lm": (self.doc_ids, self._in_prefix),
+        }.get(self.kind, (self.doc_ids,))
+        return (self.kind, self.window, tensors, ())
+
+    # A mask never changes once built. A deep copy is the same mask over copies of its tensors,
+    # with its own mask_mod and an empty device cache (the cache's stamps hold weak references
+    # that a copy must not share); a pickled mask is rebuilt from its tensors.
+    def __copy__(self) -> Mask:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Mask:
+        import copy
+
+        return self._rebuilt(lambda t: copy.deepcopy(t, memo))
+
+    def __reduce__(self) -> tuple:
+        return (_from_parts, (self._parts(),))
 
     def _all_doc_ids(self) -> list[Tensor]:
         if self.children:
@@ -710,6 +712,28 @@ def _merge_document_causal(factors: list[Mask]) -> list[Mask]:
 
 def causal() -> Mask:
     """Causal mask: query q attends key kv iff ``kv <= q``.
+
+def _from_parts(parts: tuple, move: Callable[[Tensor | None], Tensor | None] = lambda t: t) -> Mask:
+    """The mask ``Mask._parts`` describes, each tensor through ``move``."""
+    kind, window, tensors, children = parts
+    if kind in ("and", "or"):
+        return _compose(kind, tuple(_from_parts(c, move) for c in children))
+    if kind == "not":
+        return ~_from_parts(children[0], move)
+    if kind == "causal":
+        return causal()
+    tensors = tuple(move(t) for t in tensors)
+    if kind == "sliding_window":
+        return _sliding_window(window, tensors[0])
+    if kind == "tree":
+        return _tree_from_tables(*tensors)
+    if kind == "prefix_lm":
+        d, flags = tensors
+        return Mask("prefix_lm", _named(_prefix_lm_mod(d, flags), "prefix_lm"), doc_ids=d,
+                    in_prefix=flags)  # fmt: skip
+    builder = {"document": document, "document_causal": _document_causal, "padding": padding}
+    return builder[kind](tensors[0])
+
 
     Returns:
         Mask of kind "causal" (no doc_ids; give Q_LEN/KV_LEN to ``.block_mask``).

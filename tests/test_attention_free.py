@@ -105,3 +105,37 @@ def test_xlstm_with_its_default_cache_warns_and_each_document_is_exact(one_pass,
         start += len(d)
     for C, n, m in out.cache.rnn_state.values():  # the cache kept no row's state
         assert not (C.any() or n.any() or m.any())
+
+
+@pytest.mark.parametrize("kind", ["rwkv", "xlstm", "mamba2"])
+def test_adapted_attention_free_model_on_flattened_rows_equals_each_document_alone(kind):
+    """transformers' own padding-free rows (``DataCollatorWithFlattening``: position_ids only,
+    what HF ``Trainer`` and TRL's ``SFTTrainer(packing=True)`` feed): a model without attention
+    reads them once ``flexpack.mixers.adapt(model)`` has run, whatever its
+    ``attn_implementation`` (``register()`` alone reaches nothing of its forward: no attention
+    or mask function is called; docs/mixers.md says to adapt it), and each document's logits
+    and the loss equal the documents' own."""
+    import flexpack.mixers as fm
+    from flexpack.integrations.transformers import register
+
+    torch.manual_seed(0)
+    config = tiny_config(getattr(transformers, ATTENTION_FREE[kind])(), register())
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    docs = documents()
+    with torch.no_grad():
+        alone = [model(input_ids=d[None], labels=d[None], use_cache=False) for d in docs]
+    collate = transformers.DataCollatorWithFlattening()
+    rows = collate([{"input_ids": d.tolist()} for d in docs])
+    assert sorted(rows) == ["input_ids", "labels", "position_ids"]
+    fm.adapt(model)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error")
+        packed = model(**rows, use_cache=False)
+    start = 0
+    for d, want in zip(docs, alone, strict=True):
+        got = packed.logits[0, start : start + len(d)]
+        torch.testing.assert_close(got, want.logits[0], atol=1e-5, rtol=0)
+        start += len(d)
+    supervised = [len(d) - 1 for d in docs]
+    mean = sum(a.loss * n for a, n in zip(alone, supervised, strict=True)) / sum(supervised)
+    torch.testing.assert_close(packed.loss, mean, atol=1e-5, rtol=0)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -161,15 +162,28 @@ def _ssm(m: torch.nn.Module) -> bool:
     return _has_param("A_log")(m) and isinstance(getattr(m, "conv1d", None), torch.nn.Conv1d)
 
 
+# inspect.getsource parses the class's file (linecache, ast): two threads' first forwards at once
+# raised a SystemError from it.
+_SOURCE_LOCK = threading.Lock()
+
+
+def _source(cls: type) -> str | None:
+    """``cls``'s source, or None where it has none."""
+    with _SOURCE_LOCK:
+        try:
+            return inspect.getsource(cls)
+        except (OSError, TypeError):
+            return None
+
+
 @functools.cache
 def _computes_own_attention(cls: type) -> bool:
     """Whether ``cls.forward`` writes its softmax attention out instead of calling transformers'
     AttentionInterface (transformers' own test for ``set_attn_implementation``, per class)."""
     if "forward" not in cls.__dict__:
         return False
-    try:
-        source = inspect.getsource(cls)  # the class: its forward may call a helper (`_attn`)
-    except (OSError, TypeError):
+    source = _source(cls)  # the class: its forward may call a helper (`_attn`)
+    if source is None:
         return False
     return "softmax" in source and not any(
         s in source
@@ -436,9 +450,8 @@ def _calls_attention(cls: type) -> bool:
     owner = next((c for c in cls.__mro__ if "forward" in c.__dict__), None)
     if owner is None or owner.__module__.startswith("torch."):
         return False
-    try:
-        source = inspect.getsource(owner)
-    except (OSError, TypeError):
+    source = _source(owner)
+    if source is None:
         return False
     return any(s in source for s in _ATTENTION_CALLS)
 

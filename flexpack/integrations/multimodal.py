@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from flexpack._choices import OVERFLOWS
-from flexpack._tensor_cache import all_match, on_clear, stamps
+from flexpack._tensor_cache import PerThread, all_match, stamps
 from flexpack.integrations._mixers_check import has_attention
 from flexpack.packing import DocsPerRow, PackStats, pack
 
@@ -739,8 +739,7 @@ def _vision_attention(
     )  # fmt: skip
 
 
-_span_cache: dict[str, Any] = {}
-on_clear(_span_cache.clear)
+_span_caches = PerThread()  # one per thread, as flexpack.integrations.transformers' mask cache
 
 
 def _image_span_mask(
@@ -767,6 +766,7 @@ def _image_span_mask(
             )
     sources = (padding, doc_ids, spans)
     key = (device, B, S)  # and stamps of the sources (flexpack._tensor_cache)
+    _span_cache = _span_caches.get()
     if _span_cache.get("key") != key or not all_match(_span_cache.get("sources"), sources):
         d = doc_ids.to(device=device, dtype=torch.int32).expand(B, S)
         if padding is not None:

@@ -256,32 +256,42 @@ def _rule_attention(
 
 
 def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None) -> dict[str, Any]:
-    """Keyword arguments for a transformers model call on a flexpack ``PackedBatch``.
+    """Keyword arguments for a transformers model call on a flexpack ``PackedBatch`` or
+    ``TreeBatch``.
 
     Args:
         batch: a ``PackedBatch`` (or anything with ``input_ids``, ``position_ids`` and ``doc_ids``,
-            each (R, S)).
+            each (R, S)), or a ``TreeBatch`` of prefix trees (``flexpack.pack_trees``; anything
+            with ``segment_ids`` and a ``mask()``): its rows go with their tree ``flexpack_mask``.
         labels: also pass ``batch.labels`` (HF-style unshifted, -100 on padding and on the first
             token of every document), so the model's own loss is the mean over supervised tokens.
-        model: the model the kwargs are for (recommended). With it, flexpack can see models
-            whose forward never reaches its attention or mask function: pure SSMs (Mamba,
-            Mamba2, Falcon-Mamba) get their mixers adapted (:func:`flexpack.mixers.adapt`), models
+            Document rows only (a ``TreeBatch`` scores rollouts with ``gather_logps``).
+        model: the model the kwargs are for (recommended; needed for trees). With it, flexpack
+            can see models whose forward never reaches its attention or mask function: pure SSMs
+            and recurrences (RWKV, Mamba, Mamba2, Falcon-Mamba, xLSTM) get their mixers adapted
+            (:func:`flexpack.mixers.adapt`), so they read the rows' documents or trees, models
             whose attention is their own code (GPT-1, XLM, CPM-Ant) are refused with a
-            ValueError. Without it those few families see the documents of a row run into each
-            other (docs/supported_models.md lists them). A ``UserWarning`` if it has attention
-            and that is not flexpack's (any other ``attn_implementation`` ignores ``doc_ids``;
-            RWKV, Mamba and xLSTM have none). Load it with ``attn_implementation=register()``.
+            ValueError. Without it those families see the documents of a row run into each
+            other (docs/supported_models.md lists them). A model with attention that is not
+            flexpack's (any other ``attn_implementation`` ignores ``doc_ids`` and
+            ``flexpack_mask``): a ``UserWarning`` on document rows, a ValueError on trees. Load
+            it with ``attn_implementation=register()``.
 
     Returns:
-        ``{"input_ids": (R, S) int64, "position_ids": (R, S) int64, "doc_ids": (R, S) int32,
-        "use_cache": False}`` plus ``"labels"`` when asked, and ``"attention_mask"`` (R, S)
-        int64 (1 = real token) for a ``model`` whose forward adds an MoE router loss (so it
-        leaves padding out, as unpacked training does); use as ``model(**kwargs)``.
+        Document rows: ``{"input_ids": (R, S) int64, "position_ids": (R, S) int64, "doc_ids":
+        (R, S) int32, "use_cache": False}`` plus ``"labels"`` when asked, and
+        ``"attention_mask"`` (R, S) int64 (1 = real token) for a ``model`` whose forward adds an
+        MoE router loss (so it leaves padding out, as unpacked training does). Trees:
+        ``{"input_ids": (R, S) int64, "position_ids": (R, S) int64, "flexpack_mask":
+        batch.mask(), "use_cache": False}`` (a ``Mask``: attention builds its ``BlockMask``
+        once per forward, and recurrent mixers read the tree from it). Use as
+        ``model(**kwargs)``.
 
     Raises:
-        TypeError: ``batch`` lacks one of the tensors.
+        TypeError: ``batch`` lacks one of the tensors, or ``labels=True`` for a ``TreeBatch``.
         ValueError: ``model`` has a token mixer flexpack cannot keep exact on packed rows
-            (the message names it).
+            (the message names it); a ``TreeBatch`` for a ``model`` with attention that is not
+            flexpack's (it would ignore the tree: each rollout would see its siblings).
 
     Example:
         >>> import types, torch
@@ -290,7 +300,13 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
         ...     position_ids=torch.tensor([[0, 1, 0, 0]]), doc_ids=torch.tensor([[0, 0, 1, -1]]))
         >>> sorted(packed_forward_kwargs(b))
         ['doc_ids', 'input_ids', 'position_ids', 'use_cache']
+        >>> import flexpack
+        >>> trees = flexpack.pack_trees([([5, 6, 7], [[8, 9], [4]])], max_len=8)
+        >>> sorted(packed_forward_kwargs(trees))
+        ['flexpack_mask', 'input_ids', 'position_ids', 'use_cache']
     """
+    if _is_tree_batch(batch):
+        return _tree_forward_kwargs(batch, labels=labels, model=model)
     if model is not None:
         multimodal.warn_without_flexpack_attention(model, "packed_forward_kwargs")
         _prepare(model)
@@ -314,14 +330,78 @@ def packed_forward_kwargs(batch: Any, *, labels: bool = False, model: Any = None
     return kwargs
 
 
+def _is_tree_batch(batch: Any) -> bool:
+    """A ``TreeBatch`` (or its duck): prefix-tree rows, no ``doc_ids``."""
+    return isinstance(getattr(batch, "segment_ids", None), Tensor) and callable(
+        getattr(batch, "mask", None)
+    )
+
+
+def _tree_forward_kwargs(batch: Any, *, labels: bool, model: Any) -> dict[str, Any]:
+    """:func:`packed_forward_kwargs` for prefix-tree rows: refuse a model that would ignore
+    their mask, adapt its recurrent / conv mixers (they read the tree from the model call's
+    ``flexpack_mask``), then the kwargs."""
+    if labels:
+        raise TypeError(
+            "packed_forward_kwargs(labels=True) needs document rows with labels; got a "
+            f"{type(batch).__name__} of prefix trees, which has none. Score its rollouts from "
+            "the logits with batch.gather_logps(logits) (and flexpack.trees.grpo_loss / "
+            "sequence_logps)."
+        )
+    if model is not None:
+        _refuse_unread_tree(model)
+        _prepare(model)
+    names = ["input_ids", "position_ids"]
+    missing = [n for n in names if not isinstance(getattr(batch, n, None), Tensor)]
+    if missing:
+        raise TypeError(
+            f"packed_forward_kwargs needs a TreeBatch (tensors {names} and mask()); got a "
+            f"{type(batch).__name__} without {missing}. Build one with flexpack.pack_trees."
+        )
+    return {
+        "input_ids": batch.input_ids.long(),
+        "position_ids": batch.position_ids.long(),
+        # A Mask, not a BlockMask: recurrent mixers read the tree from it, and the attention
+        # builds its BlockMask once per forward (padded to a bucket length on the flex path).
+        "flexpack_mask": batch.mask(),
+        "use_cache": False,
+    }
+
+
+def _refuse_unread_tree(model: Any) -> None:
+    """A tree ``flexpack_mask`` reaches a model's attention only through flexpack's attention
+    function; any other implementation takes it into its ``**kwargs`` and attends causally
+    across the whole row (each rollout sees its siblings, silently). Models without attention
+    (RWKV, Mamba, xLSTM) read it through their adapted mixers instead."""
+    inner = _inner_model(model)
+    if multimodal._runs_flexpack_attention(inner) is not False:
+        return  # flexpack's attention, or not a transformers model (flexpack cannot tell)
+    if isinstance(inner, torch.nn.Module) and not _mixers_check.has_attention(inner):
+        return
+    config = inner.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    raise ValueError(
+        f"packed_forward_kwargs: this {type(inner).__name__} runs "
+        f"attn_implementation={text._attn_implementation!r}, which ignores flexpack_mask: each "
+        "rollout of the tree rows would attend to its siblings (log-probs silently wrong). Load "
+        "it with attn_implementation=flexpack.integrations.transformers.register(), or switch "
+        "this instance with model.set_attn_implementation(register()) before the call."
+    )
+
+
+def _inner_model(model: Any) -> Any:
+    """The transformers model inside DDP / FSDP1 (``.module``) and PEFT wrappers."""
+    inner = getattr(model, "module", model)  # DDP / FSDP1 wrappers
+    base = getattr(inner, "get_base_model", None)  # PEFT
+    return base() if callable(base) else inner
+
+
 def _prepare(model: Any) -> None:
     """What ``packed_forward_kwargs(model=...)`` does to the model before its rows run: adapt
     its recurrent / conv mixers, refuse what cannot be exact."""
     from flexpack import mixers
 
-    inner = getattr(model, "module", model)  # DDP / FSDP1 wrappers
-    base = getattr(inner, "get_base_model", None)  # PEFT
-    inner = base() if callable(base) else inner
+    inner = _inner_model(model)
     if isinstance(inner, torch.nn.Module):
         mixers.adapt(inner)
         _mixers_check.check(inner)

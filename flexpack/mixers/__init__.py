@@ -39,9 +39,9 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import warnings
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -80,6 +80,8 @@ ROOMS: tuple[Room, ...] = (
     *conv.ROOMS,
 )
 
+_ROOMS_BY_NAME = {room.name: room for room in ROOMS}
+
 _CACHE_NAMES = ("cache", "cache_params", "past_key_values", "layer_past", "state")
 # Boundary keywords of the call that the per-document calls must not see (their rows are single
 # documents; the torch fallbacks refuse cu_seqlens / seq_idx).
@@ -90,9 +92,18 @@ _BOUNDARY_KEYS = ("doc_ids", "seq_idx", "cu_seq_lens_q", "cu_seq_lens_k", "cu_se
 # model's own call, since not every decoder layer passes its keywords down (LFM2 on 5.17).
 _SOURCES = ("doc_ids", "seq_idx", "position_ids", "attention_mask", "flexpack_mask")
 
-_models: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> _Adapted
-# every submodule of a recorded model -> that model's _Call (the attention reads its sources)
-_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Where the state lives: on the objects it describes, so that it travels with them. A model's
+# ``__dict__`` holds its _Adapted (hooks, mixers, the call context), each of its modules the
+# _Call they share, each adapted mixer its _MixerForward. ``copy.deepcopy(model)`` thus gives a
+# copy whose hooks and mixers run on the copy's own modules and weights, with a fresh _Call
+# (empty caches); ``pickle`` / ``torch.save`` round-trip the same way.
+_ADAPTED = "_flexpack_adapted"  # on the model: its _Adapted
+_CALL = "_flexpack_call"  # on every module of an adapted model: the model's _Call
+_ROOM = "_flexpack_room"  # on an adapted mixer: its room's name
+
+_calls: weakref.WeakSet = weakref.WeakSet()  # every live _Call (clear_caches empties them)
+# adapt() / restore() of two threads at once (two first forwards) would adapt a model twice
+_ADAPT_LOCK = threading.RLock()
 
 
 class _Call:
@@ -106,12 +117,24 @@ class _Call:
     transformers' default; the reentrant one keeps it in its saved tensors)."""
 
     def __init__(self) -> None:
+        self.clear()
+        _calls.add(self)
+
+    def clear(self) -> None:
+        """Forget the sources of the latest call and everything derived from them."""
         self.sources: dict[str, Any] = {}
         self.replay: dict[int, tuple[weakref.ref, dict[str, Any]]] = {}
         self.plan_key: tuple | None = None
         self.stamped: tuple | None = None
+        self.ids: Tensor | None = None
         self.plans: dict[float, DocumentPlan] = {}  # by the room's pad factor
         self.tree: tuple[Any, TreePlan] | None = None  # the latest tree mask and its plan
+
+    def __deepcopy__(self, memo: dict) -> _Call:
+        return _Call()  # a copied model starts with no call and empty caches
+
+    def __reduce__(self) -> tuple:
+        return (_Call, ())
 
     def remember(self, layer_input: Tensor) -> None:
         """A checkpointed layer starts its forward on ``layer_input`` with this call's sources."""
@@ -192,14 +215,14 @@ class _Adapted:
         self.modules: list[torch.nn.Module] = []
         self.outer_running = False
         self.hooks = [
-            model.register_forward_pre_hook(self._capture_for(model, outer=True), with_kwargs=True),
+            model.register_forward_pre_hook(_Capture(self, model, outer=True), with_kwargs=True),
             model.register_forward_hook(self._leave, always_call=True),
         ]
         backbone = getattr(model, "base_model", None)
         if isinstance(backbone, torch.nn.Module) and backbone is not model:
             self.hooks.append(
                 backbone.register_forward_pre_hook(
-                    self._capture_for(backbone, outer=False), with_kwargs=True
+                    _Capture(self, backbone, outer=False), with_kwargs=True
                 )
             )
         # layers transformers can checkpoint (GradientCheckpointingLayer): their hooks run at
@@ -223,34 +246,6 @@ class _Adapted:
         if isinstance(x, Tensor):
             self.call.remember(x)
 
-    def _capture_for(self, module: torch.nn.Module, *, outer: bool) -> Callable:
-        try:
-            signature = inspect.signature(module.forward)
-        except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
-            signature = None
-
-        def capture(_module, args, kwargs):
-            if not outer and self.outer_running:
-                return
-            self.outer_running = outer
-            sources = dict(kwargs)
-            if args and signature is not None:
-                try:
-                    bound = signature.bind_partial(*args, **kwargs).arguments
-                except TypeError:
-                    pass
-                else:  # the keywords a **kwargs parameter took, beside the named ones
-                    sources = {}
-                    for name, value in bound.items():
-                        kind = signature.parameters[name].kind
-                        if kind is inspect.Parameter.VAR_KEYWORD:
-                            sources.update(value)
-                        else:
-                            sources[name] = value
-            self.call.sources = {k: sources.get(k) for k in _SOURCES}
-
-        return capture
-
     def _leave(self, *_: Any) -> None:
         self.outer_running = False
 
@@ -259,14 +254,52 @@ class _Adapted:
             hook.remove()
 
 
+class _Capture:
+    """The forward pre-hook that records a call's document sources (a class, not a closure: a
+    copied model's hook records into the copy's call)."""
+
+    def __init__(self, adapted: _Adapted, module: torch.nn.Module, *, outer: bool) -> None:
+        self.adapted, self.module, self.outer = adapted, module, outer
+        self._signature: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_signature": None}  # rebuilt from the copy's own forward
+
+    def signature(self) -> inspect.Signature | None:
+        if self._signature is None:
+            try:
+                self._signature = inspect.signature(self.module.forward)
+            except (TypeError, ValueError):  # pragma: no cover - a forward without a signature
+                self._signature = False
+        return self._signature or None
+
+    def __call__(self, _module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        adapted = self.adapted
+        if not self.outer and adapted.outer_running:
+            return
+        adapted.outer_running = self.outer
+        sources = dict(kwargs)
+        signature = self.signature() if args else None
+        if signature is not None:
+            try:
+                bound = signature.bind_partial(*args, **kwargs).arguments
+            except TypeError:
+                pass
+            else:  # the keywords a **kwargs parameter took, beside the named ones
+                sources = {}
+                for name, value in bound.items():
+                    kind = signature.parameters[name].kind
+                    if kind is inspect.Parameter.VAR_KEYWORD:
+                        sources.update(value)
+                    else:
+                        sources[name] = value
+        adapted.call.sources = {k: sources.get(k) for k in _SOURCES}
+
+
 def _clear_plans() -> None:
     """flexpack.clear_caches(): forget every model's plan."""
-    for state in list(_models.values()):
-        state.call.plan_key = state.call.stamped = None
-        state.call.plans = {}
-        state.call.sources = {}
-        state.call.ids = None
-        state.call.tree = None
+    for call in list(_calls):
+        call.clear()
 
 
 on_clear(_clear_plans)
@@ -311,7 +344,7 @@ def call_sources(module: torch.nn.Module) -> dict[str, Any] | None:
     for a module of no recorded model. flexpack's attention falls back to them when its own
     keywords carry none (Llama 4's decoder layer and ZAYA's model never pass position_ids on).
     """
-    call = _owners.get(module)
+    call = module.__dict__.get(_CALL)
     return None if call is None else call.current()
 
 
@@ -321,14 +354,18 @@ def set_sources(module: torch.nn.Module, **sources: Any) -> None:
     :func:`adapt`-ed model ``module`` belongs to, for a forward whose own arguments do not carry
     them (a prefix-tree forward: the backbone called with ``flexpack_mask`` inside the model's
     forward). Nothing for a module of no adapted model."""
-    call = _owners.get(module)
+    call = module.__dict__.get(_CALL)
     if call is not None:
         call.sources = {k: sources.get(k) for k in _SOURCES}
 
 
 def is_adapted(module: torch.nn.Module) -> bool:
     """True for a mixer module :func:`adapt` has given a per-document forward."""
-    return "_flexpack_room" in module.__dict__
+    return _ROOM in module.__dict__
+
+
+def _adapted(model: torch.nn.Module) -> _Adapted | None:
+    return model.__dict__.get(_ADAPTED)
 
 
 def adapt(model: torch.nn.Module) -> torch.nn.Module:
@@ -358,28 +395,27 @@ def adapt(model: torch.nn.Module) -> torch.nn.Module:
         >>> flexpack.mixers.restore(m) is m
         True
     """
-    if model in _models:
-        return model
-    from flexpack.integrations import _mixers_check  # torch only; the refusal registry
+    with _ADAPT_LOCK:
+        if _adapted(model) is not None:
+            return model
+        from flexpack.integrations import _mixers_check  # torch only; the refusal registry
 
-    found = [(model.get_submodule(p), name) for p, name in mixers_of(model)]
-    state = _Adapted(model)
-    rooms = {r.name: r for r in ROOMS}
-    for module, name in found:
-        _install(module, rooms[name], state.call)
-        state.modules.append(module)
-    for module in model.modules():
-        if module not in _owners:
-            _owners[module] = state.call
-    _models[model] = state
-    if found:
-        _forget_checks(model)
-    # Fail closed: a mixer with a state along the row that no room took would leak silently.
-    left = _mixers_check.stateful_left(model, is_adapted)
-    if left:
-        restore(model)
-        raise ValueError(_mixers_check.refusal(model, left))
-    return model
+        found = [(model.get_submodule(p), name) for p, name in mixers_of(model)]
+        state = _Adapted(model)
+        for module, name in found:
+            _install(module, _ROOMS_BY_NAME[name], state.call)
+            state.modules.append(module)
+        for module in model.modules():
+            module.__dict__.setdefault(_CALL, state.call)
+        model.__dict__[_ADAPTED] = state
+        if found:
+            _forget_checks(model)
+        # Fail closed: a mixer with a state along the row that no room took would leak silently.
+        left = _mixers_check.stateful_left(model, is_adapted)
+        if left:
+            restore(model)
+            raise ValueError(_mixers_check.refusal(model, left))
+        return model
 
 
 def _forget_checks(model: torch.nn.Module) -> None:
@@ -393,17 +429,18 @@ def _forget_checks(model: torch.nn.Module) -> None:
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`adapt`: the mixers' class forwards and no pre-hook again. Returns ``model``."""
-    state = _models.pop(model, None)
-    if state is not None:
-        state.remove()
-        for module in state.modules:
-            module.__dict__.pop("forward", None)
-            module.__dict__.pop("_flexpack_room", None)
-        for module in model.modules():
-            if _owners.get(module) is state.call:
-                del _owners[module]
-        if state.modules:
-            _forget_checks(model)
+    with _ADAPT_LOCK:
+        state = model.__dict__.pop(_ADAPTED, None)
+        if state is not None:
+            state.remove()
+            for module in state.modules:
+                module.__dict__.pop("forward", None)
+                module.__dict__.pop(_ROOM, None)
+            for module in model.modules():
+                if module.__dict__.get(_CALL) is state.call:
+                    del module.__dict__[_CALL]
+            if state.modules:
+                _forget_checks(model)
     return model
 
 
@@ -444,9 +481,9 @@ def adapt_caller(config: Any) -> torch.nn.Module | None:
         frame = frame.f_back
     if model is None:
         return None
-    fresh = model not in _models  # adapted before: its pre-hooks recorded this call's sources
+    fresh = _adapted(model) is None  # adapted before: its pre-hooks recorded this call's sources
     adapt(model)
-    state = _models.get(model)
+    state = _adapted(model)
     if fresh and state is not None and frame_locals is not None:
         found = dict(frame_locals.get("kwargs") or {})
         found.update({k: v for k, v in frame_locals.items() if k != "kwargs"})
@@ -454,22 +491,31 @@ def adapt_caller(config: Any) -> torch.nn.Module | None:
     return model
 
 
-def _install(module: torch.nn.Module, room: Room, call: _Call) -> None:
-    own = type(module).forward.__get__(module)  # the class's forward, bound
-    params = inspect.signature(own).parameters
-    cache_name = next((n for n in _CACHE_NAMES if n in params), None)
-    positional = [
-        n for n, p in params.items()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]  # fmt: skip
+class _MixerForward:
+    """The forward :func:`adapt` gives a mixer module, as an instance attribute (its class is
+    untouched): the module's own forward, run per document. An object that names its module,
+    not a closure over it, so that a copied model's mixer runs the copy's weights."""
 
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        bound = dict(zip(positional, args, strict=False))
+    def __init__(self, module: torch.nn.Module, room: Room, call: _Call) -> None:
+        params = inspect.signature(type(module).forward.__get__(module)).parameters
+        self.module, self.room, self.call = module, room.name, call
+        self.cache_name = next((n for n in _CACHE_NAMES if n in params), None)
+        self.positional = [
+            n for n, p in params.items()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]  # fmt: skip
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        own = type(module).forward.__get__(module)  # the class's forward, bound
+        bound = dict(zip(self.positional, args, strict=False))
         bound.update(kwargs)
-        return _forward(module, own, room, call, cache_name, bound)
+        return _forward(module, own, _ROOMS_BY_NAME[self.room], self.call, self.cache_name, bound)
 
-    module.__dict__["forward"] = forward
-    module.__dict__["_flexpack_room"] = room.name
+
+def _install(module: torch.nn.Module, room: Room, call: _Call) -> None:
+    module.__dict__["forward"] = _MixerForward(module, room, call)
+    module.__dict__[_ROOM] = room.name
 
 
 def _forward(module, own, room: Room, call: _Call, cache_name, bound: dict[str, Any]) -> Any:
