@@ -678,6 +678,28 @@ class Mask:
         )
 
 
+def _from_parts(parts: tuple, move: Callable[[Tensor | None], Tensor | None] = lambda t: t) -> Mask:
+    """The mask ``Mask._parts`` describes, each tensor through ``move``."""
+    kind, window, tensors, children = parts
+    if kind in ("and", "or"):
+        return _compose(kind, tuple(_from_parts(c, move) for c in children))
+    if kind == "not":
+        return ~_from_parts(children[0], move)
+    if kind == "causal":
+        return causal()
+    tensors = tuple(move(t) for t in tensors)
+    if kind == "sliding_window":
+        return _sliding_window(window, tensors[0])
+    if kind == "tree":
+        return _tree_from_tables(*tensors)
+    if kind == "prefix_lm":
+        d, flags = tensors
+        return Mask("prefix_lm", _named(_prefix_lm_mod(d, flags), "prefix_lm"), doc_ids=d,
+                    in_prefix=flags)  # fmt: skip
+    builder = {"document": document, "document_causal": _document_causal, "padding": padding}
+    return builder[kind](tensors[0])
+
+
 def _compose(op: str, masks: tuple[Mask, ...]) -> Mask:
     doc_ids = _same_layout(masks)
     if doc_ids is not None:  # window limits follow the doc ids (one device per mask_mod)
@@ -712,28 +734,6 @@ def _merge_document_causal(factors: list[Mask]) -> list[Mask]:
 
 def causal() -> Mask:
     """Causal mask: query q attends key kv iff ``kv <= q``.
-
-def _from_parts(parts: tuple, move: Callable[[Tensor | None], Tensor | None] = lambda t: t) -> Mask:
-    """The mask ``Mask._parts`` describes, each tensor through ``move``."""
-    kind, window, tensors, children = parts
-    if kind in ("and", "or"):
-        return _compose(kind, tuple(_from_parts(c, move) for c in children))
-    if kind == "not":
-        return ~_from_parts(children[0], move)
-    if kind == "causal":
-        return causal()
-    tensors = tuple(move(t) for t in tensors)
-    if kind == "sliding_window":
-        return _sliding_window(window, tensors[0])
-    if kind == "tree":
-        return _tree_from_tables(*tensors)
-    if kind == "prefix_lm":
-        d, flags = tensors
-        return Mask("prefix_lm", _named(_prefix_lm_mod(d, flags), "prefix_lm"), doc_ids=d,
-                    in_prefix=flags)  # fmt: skip
-    builder = {"document": document, "document_causal": _document_causal, "padding": padding}
-    return builder[kind](tensors[0])
-
 
     Returns:
         Mask of kind "causal" (no doc_ids; give Q_LEN/KV_LEN to ``.block_mask``).

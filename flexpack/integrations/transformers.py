@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flexpack._tensor_cache import Stamp, all_match, on_clear, stamps
+from flexpack._tensor_cache import PerThread, Stamp, all_match, stamps
 from flexpack.integrations import _mixers_check, multimodal
 from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
 
@@ -52,9 +52,9 @@ __all__ = [
 # derived for the first layer and reused by the others (and by the next forward on the same,
 # unmodified tensors: flexpack._tensor_cache.Stamp says which writes are seen).
 # Masks are kept per (is_causal, window) for those ids: models that alternate sliding and full
-# layers (Gemma, Mistral-style configs) then build each mask once, not once per layer.
-_cache: dict[str, Any] = {}
-on_clear(_cache.clear)
+# layers (Gemma, Mistral-style configs) then build each mask once, not once per layer. One per
+# thread: two models called from two threads never build from each other's ids.
+_cache = PerThread()
 
 
 def _adapted_as(name: str, module: torch.nn.Module) -> bool:
@@ -844,15 +844,15 @@ def _mask_for(
     sources = (padding, doc_ids, seq_idx, position_ids)
     # Stamps of the source tensors (identity, version, storage, CPU content: see _tensor_cache)
     # say whether this forward's inputs are the cached ones.
-    key = (device, B, S)
-    if _cache.get("key") != key or not all_match(_cache.get("sources"), sources):
+    key, cache = (device, B, S), _cache.get()
+    if cache.get("key") != key or not all_match(cache.get("sources"), sources):
         ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
-        _cache.clear()
-        _cache.update(key=key, sources=stamps(sources), ids=ids, masks={})
-    masks = _cache["masks"]
+        cache.clear()
+        cache.update(key=key, sources=stamps(sources), ids=ids, masks={})
+    masks = cache["masks"]
     mask_key = (is_causal, sliding_window) if chunk is None else (is_causal, sliding_window, chunk)
     if mask_key not in masks:
-        ids = _cache["ids"] if chunk is None else _chunk_ids(_cache["ids"], chunk)
+        ids = cache["ids"] if chunk is None else _chunk_ids(cache["ids"], chunk)
         masks[mask_key] = _build_mask(ids, is_causal, sliding_window)
     return masks[mask_key]
 
@@ -1067,8 +1067,7 @@ class _WindowedTree:
         self.block_mask: Any = None  # the flex BlockMask, built on first use
 
 
-_window_cache: dict[str, Any] = {}
-on_clear(_window_cache.clear)
+_window_caches = PerThread()
 
 
 def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch.device) -> Any:
@@ -1087,6 +1086,7 @@ def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch
     if recovered.kind != "tree":
         # Document masks: positions step by one inside a document, so raw indices serve. Built
         # once per (mask, window): every sliding layer of the forward shares it.
+        _window_cache = _window_caches.get()
         key = ("document", id(recovered), window)
         hit = _window_cache.get(key)
         if hit is None or hit[0] is not recovered:
@@ -1100,6 +1100,7 @@ def _windowed(mask: Any, window: int, position_ids: Tensor | None, device: torch
             "position_ids (the window counts positions along each path): pass "
             "position_ids=batch.position_ids to the model call."
         )
+    _window_cache = _window_caches.get()
     key = (id(recovered), window, id(position_ids), device)
     hit = _window_cache.get(key)
     if hit is None or hit.tree is not recovered or not hit.stamp.matches(position_ids):
