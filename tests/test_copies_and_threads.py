@@ -225,7 +225,10 @@ def test_two_models_in_two_threads_each_get_their_own_masks():
     equals the same forward run alone (the mask cache was one dict for every thread)."""
     models = [tiny("LlamaConfig", seed) for seed in (0, 1)]
     rows = [
-        [flexpack.pack_sequences(documents(seed), max_len=64, strategy=s) for s in ("greedy", "bfd")]
+        [
+            flexpack.pack_sequences(documents(seed), max_len=64, strategy=s)
+            for s in ("greedy", "bfd")
+        ]
         for seed in (2, 3)
     ]
     with torch.no_grad():
@@ -291,7 +294,7 @@ def test_one_models_first_forwards_from_two_threads():
         try:
             with torch.no_grad():
                 results.append(packed_logits(model, docs))
-        except BaseException as e:  # noqa: BLE001 - reported below
+        except BaseException as e:  # reported below
             errors.append(e)
 
     threads = [threading.Thread(target=run) for _ in range(2)]
