@@ -7,7 +7,7 @@ device    path (``backend="auto"``)
 ========  ==========================================================================
 CUDA      document / document_causal masks in fp16/bf16, head dim a multiple of 8 up to 256:
           torch's varlen FlashAttention (document_causal & sliding_window(W) too, with its
-          ``window_size=(W, 0)``, when every document is one run of the row); causal alone:
+          ``window_size=(W, 0)``: every document is one run of its row); causal alone:
           SDPA ``is_causal`` (fp32 with GQA: k, v repeated, so SDPA stays off its O(S^2) math
           kernel); float64 or head dims above 256:
           SDPA (per document, per segment for trees, else a dense mask); any other mask:
@@ -47,6 +47,7 @@ from flexpack import _attention_flex, _attention_sdpa, _attention_tree
 from flexpack import masks as _masks
 from flexpack._attention_flex import RecompileLimitError
 from flexpack._tensor_cache import PerTensor, all_match, on_clear, stamps
+from flexpack.layout import _check_runs
 
 __all__ = ["RecompileLimitError", "attention"]
 
@@ -330,8 +331,7 @@ def _choose_path(
             and q.dtype in _attention_flex.VARLEN_DTYPES
             and _attention_flex.varlen_available(q.device)
         ):
-            # A window: FlashAttention's window_size=(W, 0), when each document is one run
-            # (checked on the first call; otherwise flex).
+            # A window: FlashAttention's window_size=(W, 0) (every document is one run).
             return "varlen_window" if windowed else "varlen"
         if spec.kind == "causal" and softcap is None:
             return "sdpa_causal"
@@ -380,6 +380,30 @@ def _document_window(spec: _MaskSpec) -> int | None:
     if kinds != ["document_causal", "sliding_window"]:
         return None
     return next(c.window for c in mask.children if c.kind == "sliding_window")
+
+
+def _check_split_runs(spec: _MaskSpec, path: str, B: int) -> None:
+    """Refuse a mask whose documents name an id for two runs of a row (flexpack.layout's one
+    rule and ValueError), without a host sync of its own where the path syncs anyway.
+
+    The factories check on the host; on an accelerator the check waits for the call: the
+    varlen and per-document plans count runs and documents in their one sync (one run each
+    iff the counts agree), and the flex path's block mask checks with its own
+    (``Mask.block_mask``). Other paths (a dense mask, documents of a second factor) check once
+    per tensor.
+    """
+    if spec.mask is None or path == "flex" or torch.compiler.is_compiling():
+        return
+    planned = _documents_of(spec)  # the ids the per-document SDPA paths plan by
+    for d in _masks._documents_of(spec.mask):
+        if path in ("varlen", "varlen_window"):
+            one_run_each = _attention_flex.varlen_windows_exactly(d, B)  # the plan's flag
+        elif path.startswith("sdpa_document") and d is planned:
+            one_run_each = _attention_sdpa.contiguous_documents(d, B)  # the plan's flag
+        else:
+            one_run_each = False  # not planned: check
+        if not one_run_each:
+            _check_runs(d)  # raises with the id and its positions
 
 
 def _kv_for_causal_sdpa(
@@ -652,10 +676,10 @@ def attention(
             "flex": compiled flex_attention, compiled once per (device, dtype) and shape, never
             recompiled for a new document layout. "varlen": torch's FlashAttention varlen kernel
             (``torch.nn.attention.varlen.varlen_attn``; CUDA, fp16/bf16, document and
-            document_causal masks, and document_causal & sliding_window over documents that
-            are one run each). "sdpa": ``scaled_dot_product_attention`` per document for
-            document masks and any mask inside documents (the mask evaluated on each document's
-            own block), with a dense (B, 1, S, S) mask otherwise; any device, with backward.
+            document_causal masks, and document_causal & sliding_window). "sdpa":
+            ``scaled_dot_product_attention`` per document for document masks and any mask
+            inside documents (the mask evaluated on each document's own block), with a dense
+            (B, 1, S, S) mask otherwise; any device, with backward.
         softcap: attention-logit soft-capping as in Gemma 2: scores become
             ``softcap * tanh(scores / softcap)`` after ``scale``, before masking. None (default)
             for none. Runs on every backend but "varlen"; on CUDA "auto" uses flex for it.
@@ -670,7 +694,9 @@ def attention(
         ValueError: shapes disagree (q vs k/v, mask vs S or B), devices disagree, Hkv != Hq
             without ``enable_gqa``, an unknown backend, or a backend that cannot run this mask
             here ("flex" with grad or float64 on CPU, "varlen" off CUDA / in fp32 / on a
-            non-document mask / with softcap), a softcap that is not positive and finite.
+            non-document mask / with softcap), a softcap that is not positive and finite; the
+            mask's doc ids name an id for two separate runs of a row (checked here, with the
+            plan's host sync, when the mask was built on an accelerator).
         RecompileLimitError: compiled flex_attention hit dynamo's recompile limit (too many
             distinct shapes); raised instead of silently running eagerly, many times slower.
 
@@ -720,22 +746,14 @@ def attention(
     B, Hq, S, _ = q.shape
     if B == 0:  # an empty batch (a last, empty shard): an empty result, still in the graph
         return q * 0.0
+    _check_split_runs(spec, path, B)
 
     if path == "varlen_window":
-        doc_ids = spec.mask.doc_ids  # the document_causal factor's ids
-        if _attention_flex.varlen_windows_exactly(doc_ids, B):
-            return _attention_flex.varlen(
-                q, k, v, doc_ids, causal=True, scale=scale, enable_gqa=enable_gqa,
-                window=_document_window(spec),
-            )  # fmt: skip
-        if backend == "varlen":
-            raise ValueError(
-                "backend='varlen' cannot run this sliding window: a document of the mask is cut "
-                "into several runs of the row, and the window counts row positions, which "
-                "varlen's window (positions in the document) does not. Use backend='auto' "
-                "(flex runs it) or pack each document as one run."
-            )
-        path = "flex"  # a document cut into several runs: its window counts row positions
+        # every document one run (checked above): the window in the row is the document's
+        return _attention_flex.varlen(
+            q, k, v, spec.mask.doc_ids, causal=True, scale=scale, enable_gqa=enable_gqa,
+            window=_document_window(spec),
+        )  # fmt: skip
     if path == "flex":
         return _bucketed_flex(q, k, v, spec, scale=scale, enable_gqa=enable_gqa, softcap=softcap)
     causal = spec.kind == "document_causal"
@@ -750,13 +768,10 @@ def attention(
             softcap=softcap,
         )  # fmt: skip
     if path == "sdpa_document_window":
-        if _attention_sdpa.contiguous_documents(spec.mask.doc_ids, B):
-            return _attention_sdpa.per_document_sdpa(
-                q, k, v, spec.mask.doc_ids, causal=True, scale=scale, enable_gqa=enable_gqa,
-                softcap=softcap, window=_document_window(spec),
-            )  # fmt: skip
-        # A document cut into several runs: its window counts row positions, not its own.
-        path = "sdpa_document_masked"
+        return _attention_sdpa.per_document_sdpa(
+            q, k, v, spec.mask.doc_ids, causal=True, scale=scale, enable_gqa=enable_gqa,
+            softcap=softcap, window=_document_window(spec),
+        )  # fmt: skip
     if path == "sdpa_document_masked":
         return _attention_sdpa.per_document_sdpa(
             q, k, v, _documents_of(spec), causal=False, scale=scale, enable_gqa=enable_gqa,

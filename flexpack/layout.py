@@ -16,9 +16,11 @@ view                  shape, dtype      meaning
 ====================  ================  ==========================================================
 
 A *document* is a maximal run of equal, non-negative ``doc_ids`` within a row, and each id names
-one run only: ``[0, 0, 1, 1, 0, 0]`` (id 0 twice, maybe one document, maybe two) is refused, as
-varlen kernels, ``position_ids`` and the masks could not agree on it. A layout stores its ids
-renumbered 0..n-1 per row (a copy of any ids it is given, whatever their integer dtype or size).
+one run only: ``[0, 0, 1, 1, 0, 0]`` (id 0 twice, maybe one document, maybe two) is refused, here
+and by every entry point that reads doc ids (masks, attention, loss, context parallelism, model
+forwards), with one ValueError that names the id and its positions; :meth:`PackedLayout.from_runs`
+numbers each run as its own document. A layout stores its ids renumbered 0..n-1 per row (a copy
+of any ids it is given, whatever their integer dtype or size).
 Each constructor is named by its input and has an inverse view, so
 ``PackedLayout.from_X(layout.X) == layout``. Past 2**31 - 1 real tokens ``cu_seqlens`` (int32, as
 flash-attn requires) cannot be built: that raises a ``ValueError``, it never wraps.
@@ -34,6 +36,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 from torch import Tensor
+
+from flexpack._tensor_cache import PerTensor
 
 __all__ = ["PackedLayout"]
 
@@ -63,30 +67,51 @@ def _cu_seqlens_of(seqlens: np.ndarray) -> np.ndarray:
     return cu.astype(np.int32)
 
 
-def _canonical_doc_ids(d: Tensor) -> Tensor:
+def _canonical_doc_ids(d: Tensor, *, one_run_each: bool = True) -> Tensor:
     """(B, S) int32: the runs of ``d`` numbered 0..n-1 per row, -1 on padding (a new tensor).
 
-    Raises ValueError when an id names two separate runs of a row."""
+    Raises ValueError when an id names two separate runs of a row, unless ``one_run_each`` is
+    False (then every run is numbered as its own document: :meth:`PackedLayout.from_runs`)."""
     if d.dtype == torch.uint64:  # no comparisons on uint64 tensors; via numpy (checks range)
         d = _as_int_tensor(d.cpu().numpy(), "doc_ids").to(d.device)
     elif d.dtype in (torch.uint16, torch.uint32):  # nor on these: int64 holds them all
         d = d.to(torch.int64)
-    start = _run_starts(d)
+    start = _run_starts(d) if one_run_each else _first_of_runs(d)
     run = torch.cumsum(start, dim=1, dtype=torch.int32) - 1
     return torch.where(d >= 0, run, torch.full_like(run, -1))
 
 
+def _first_of_runs(d: Tensor) -> Tensor:
+    """(B, S) bool: the first token of every run of equal non-negative ids of ``d`` (B, S)."""
+    start = d >= 0
+    start[:, 1:] &= d[:, 1:] != d[:, :-1]
+    return start
+
+
+def _has_split_run(d: Tensor) -> Tensor:
+    """0-d bool on ``d``'s device: whether an id of ``d`` (B, S) (signed integers) names two
+    separate runs of a row. No host sync and fixed shapes, so a caller can read it back with
+    the values it syncs for anyway, and it traces under torch.compile.
+
+    Example:
+        >>> bool(_has_split_run(torch.tensor([[0, 0, 1, 1, 0, 0]])))
+        True
+    """
+    first = _first_of_runs(d)
+    ids = torch.where(first, d, torch.full_like(d, -1)).sort(dim=1).values  # each run's id once
+    return ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()
+
+
 def _run_starts(d: Tensor, where: str = "doc_ids") -> Tensor:
     """(B, S) bool: the first token of every run of equal non-negative ids of ``d`` (B, S)
-    (signed integers). The one rule of what a document is, for layouts and for the ids
-    flexpack's transformers attention and mixers read.
+    (signed integers). The one rule of what a document is, for layouts and for every entry
+    point that reads doc ids (masks, attention, loss, context parallelism, the transformers
+    integration and its mixers).
 
-    Raises ValueError when an id names two separate runs of a row (``[0, 0, 1, 1, 0]``): masks
-    would join the runs into one document, positions, cu_seqlens and recurrent states would
-    split them."""
-    real = d >= 0
-    start = real.clone()
-    start[:, 1:] &= d[:, 1:] != d[:, :-1]
+    Raises ValueError when an id names two separate runs of a row (``[0, 0, 1, 1, 0]``): one
+    document or two? Masks and the loss would join the runs, positions, cu_seqlens and
+    recurrent states would split them, so no entry point guesses."""
+    start = _first_of_runs(d)
     rows, cols = start.nonzero(as_tuple=True)  # one entry per run, row-major
     if rows.numel() > 1:
         ids = d[rows, cols].to(torch.int64)
@@ -99,14 +124,37 @@ def _run_starts(d: Tensor, where: str = "doc_ids") -> Tensor:
             row, first, again = int(r[k]), int(cols[order[k]]), int(cols[order[k + 1]])
             raise ValueError(
                 f"{where}: doc id {int(i[k])} names two separate runs of row {row} (at "
-                f"positions {first} and {again}, with other ids or padding between): a document "
-                "must be one contiguous run. Give each run its own id (e.g. number the runs "
-                "0..n-1, as PackedLayout.from_seqlens / from_position_ids do), or, if the runs "
-                "are one document, make its tokens contiguous. Masks alone accept such ids "
-                "(equality semantics) but positions, cu_seqlens and recurrent states cannot "
-                "describe them."
+                f"positions {first} and {again}, with other ids or padding between), but a "
+                "document must be one contiguous run of its row. If the runs are separate "
+                f"documents, give each its own id: flexpack.PackedLayout.from_runs({where})"
+                ".doc_ids numbers them 0..n-1; if they are one document, make its tokens "
+                "contiguous."
             )
     return start
+
+
+# Doc ids found to name one run per id, per tensor: a check costs a host sync on an accelerator,
+# once per tensor (masks, layers and steps that reuse one tensor pay it once).
+_ONE_RUN_EACH: PerTensor[bool] = PerTensor(16)
+
+
+def _check_runs(doc_ids: Tensor, where: str = "doc_ids") -> None:
+    """Refuse ``doc_ids`` (B, S) (signed integers) where an id names two separate runs of a row,
+    with :func:`_run_starts`'s ValueError: the one refusal of every public entry point.
+
+    Once per unmodified tensor; one host sync on an accelerator (entry points that sync anyway
+    read :func:`_has_split_run` with their own values instead), none on CPU. Skipped while
+    torch.compile traces: the check runs eagerly, before the compiled code is reached.
+    """
+    if torch.compiler.is_compiling():
+        return
+
+    def check() -> bool:
+        if bool(_has_split_run(doc_ids)):
+            _run_starts(doc_ids, where)  # finds the id and positions, and raises
+        return True
+
+    _ONE_RUN_EACH.get(doc_ids, check)
 
 
 class _Placement(NamedTuple):
@@ -369,6 +417,34 @@ class PackedLayout:
         if d.dim() == 1:
             d = d[None]
         return cls(d)
+
+    @classmethod
+    def from_runs(cls, doc_ids: Tensor | np.ndarray | Sequence) -> PackedLayout:
+        """The layout in which every run of ``doc_ids`` is its own document.
+
+        Where an id names two separate runs of a row (``[0, 0, 1, 1, 0, 0]``), which
+        :meth:`from_doc_ids` and every other entry point refuse, each run becomes a document of
+        its own: the fix for ids that reuse a number for documents that are in fact separate.
+        On ids whose every id is one run it equals :meth:`from_doc_ids`.
+
+        Args:
+            doc_ids: (B, S) or (S,) integers of any size; negative ids are padding.
+
+        Inverse: :attr:`doc_ids` (the same runs, numbered 0..n-1 per row).
+
+        Example:
+            >>> PackedLayout.from_runs([[0, 0, 1, 1, 0, 0]]).doc_ids  # three documents
+            tensor([[0, 0, 1, 1, 2, 2]], dtype=torch.int32)
+        """
+        d = _as_int_tensor(doc_ids, "doc_ids")
+        if d.dim() == 1:
+            d = d[None]
+        if d.dim() != 2:
+            raise ValueError(
+                f"doc_ids must be (B, S) or (S,); got shape {tuple(d.shape)}. Flatten extra "
+                "leading dimensions into B with doc_ids.reshape(-1, doc_ids.shape[-1])."
+            )
+        return cls._trusted(_canonical_doc_ids(d, one_run_each=False))
 
     @classmethod
     def from_position_ids(

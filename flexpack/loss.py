@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpack.batch import IGNORE_INDEX
+from flexpack.layout import _check_runs, _has_split_run
 from flexpack.masks import _as_doc_ids
 
 __all__ = ["packed_cross_entropy", "packed_linear_cross_entropy"]
@@ -67,12 +68,21 @@ def _supervised(labels: Tensor, doc_ids: Tensor, V: int) -> tuple[Tensor, Tensor
 
     ``[:, t]`` is the target of the prediction made at token t: ``labels[:, t + 1]``, kept iff it
     is not -100 and tokens t and t + 1 belong to the same document (not padding).
+
+    Raises ValueError for a label outside [0, V), and for doc ids that name an id for two runs
+    of a row (flexpack.layout's one refusal), both read back in one host sync.
     """
     if not doc_ids.dtype.is_signed:  # torch compares no uint32/uint64 on CPU: int64 ids
         doc_ids = _as_doc_ids(doc_ids)  # refuses uint64 ids >= 2**63 (they would wrap)
     labels = labels.long()
     bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= V))
-    if bool(bad.any()):
+    if not torch.compiler.is_compiling():
+        split, any_bad = torch.stack([_has_split_run(doc_ids), bad.any()]).tolist()
+        if split:
+            _check_runs(doc_ids)  # raises with the id and its positions
+    else:
+        any_bad = bool(bad.any())
+    if any_bad:
         value = int(labels[bad][0])
         raise ValueError(
             f"labels must be token ids in [0, {V}) or {IGNORE_INDEX} (ignored), got {value}; "
@@ -112,8 +122,10 @@ def packed_cross_entropy(
     Args:
         logits: (B, S, V) float, the model's outputs for every position.
         labels: (B, S) int64 token ids, unshifted; -100 marks positions without a target.
-        doc_ids: (B, S) int, document of each token; negative values mark padding. Arbitrary
-            (non-contiguous, repeated) ids are allowed; a document is a (row, id) pair.
+        doc_ids: (B, S) int, document of each token; negative values mark padding. Ids may
+            be any integers in any order, each id one run of its row (a document is a (row,
+            id) pair): ``[0, 0, 1, 1, 0, 0]`` is refused, as by every entry point that reads
+            doc ids; ``flexpack.PackedLayout.from_runs(doc_ids).doc_ids`` numbers its runs.
         reduction: "token" or "document".
 
     Returns:
@@ -122,7 +134,8 @@ def packed_cross_entropy(
     Raises:
         TypeError: a non-tensor, float labels or doc_ids.
         ValueError: logits not (B, S, V) float; labels or doc_ids not (B, S) or on another device;
-            a label outside [0, V) that is not -100; an unknown reduction.
+            a label outside [0, V) that is not -100; an unknown reduction; an id naming two
+            separate runs of a row.
 
     Example:
         >>> import torch, flexpack
@@ -315,7 +328,8 @@ def packed_linear_cross_entropy(
         hidden: (B, S, C) float, the last hidden states (after the final norm).
         weight: (V, C) float, the output head (``lm_head.weight``, or the tied embedding).
         labels: (B, S) int64 token ids, unshifted; -100 marks positions without a target.
-        doc_ids: (B, S) int, document of each token; negative values mark padding.
+        doc_ids: (B, S) int, document of each token; negative values mark padding; each id
+            one run of its row, as in :func:`packed_cross_entropy`.
         reduction: "token" (mean over supervised tokens) or "document" (mean of per-document
             means), as in :func:`packed_cross_entropy`.
         bias: (V,) float or None, the head's bias.
@@ -330,7 +344,8 @@ def packed_linear_cross_entropy(
         TypeError: a non-tensor, float labels or doc_ids, hidden and weight of different dtypes
             outside autocast, a non-numeric softcap or chunk_size.
         ValueError: shapes that disagree, tensors on two devices, a label outside [0, V) that
-            is not -100, an unknown reduction, a softcap or chunk_size <= 0.
+            is not -100, an unknown reduction, a softcap or chunk_size <= 0, an id naming two
+            separate runs of a row.
 
     Example:
         >>> import torch, flexpack

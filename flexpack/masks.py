@@ -8,7 +8,8 @@ at every (q, kv) pair as ``create_block_mask`` does. Masks compose with ``&``, `
 Shape legend:
     B: rows of the packed batch; S: tokens per row (queries and keys alike).
     doc_ids: (S,) or (B, S) integer tensor; any negative value marks padding, which attends to
-        nothing and is attended by nothing. (S,) is treated as (1, S). A mask keeps its own copy,
+        nothing and is attended by nothing; each id names one run of its row (``[0, 0, 1, 0]``
+        is refused, see :func:`document`). (S,) is treated as (1, S). A mask keeps its own copy,
         taken when it is built: every path (BlockMask, flex, SDPA, dense) reads that copy, so
         changing the tensor afterwards changes no mask, and editing ``mask.doc_ids`` in place
         is refused at the next use. Build a new mask for a new layout. uint64 ids must lie
@@ -39,6 +40,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexpack import block_mask as _bm
 from flexpack._tensor_cache import PerTensor, Stamp, all_match, stamps
+from flexpack.layout import _check_runs
 
 __all__ = [
     "Mask",
@@ -132,6 +134,36 @@ def _shared_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
     return snapshot
 
 
+def _document_ids(doc_ids: Any) -> Tensor:
+    """:func:`_shared_doc_ids` for a factory that groups tokens by document: on the host, ids
+    naming two separate runs of a row are refused here (flexpack.layout's one rule). On an
+    accelerator that check would be a host sync per new tensor, a model's forward one more, so
+    it waits for the sync the mask's first use makes anyway (:func:`_check_documents`, the
+    attention plans)."""
+    d = _shared_doc_ids(doc_ids)
+    if d.device.type == "cpu":
+        _check_runs(d)
+    return d
+
+
+def _documents_of(mask: Mask) -> list[Tensor]:
+    """The doc ids of ``mask``'s document and document_causal factors (those that group tokens
+    by document; prefix_lm's refuse split runs when built, padding reads no documents)."""
+    if mask.children:
+        return [d for c in mask.children for d in _documents_of(c)]
+    return [mask.doc_ids] if mask.kind in ("document", "document_causal") else []
+
+
+def _check_documents(mask: Mask) -> None:
+    """Refuse a mask whose documents name an id for two runs of a row, with the host sync its
+    block mask makes anyway: packer rows (ids non-decreasing, padding at the end: the block
+    mask's order facts, one sync per tensor) cannot split a run, and other rows take the
+    generic classification, whose syncs dwarf the check's one."""
+    for d in _documents_of(mask):
+        if not _bm.packed_layout(d):
+            _check_runs(d)
+
+
 def _check_block_size(block_size: Any) -> int:
     if isinstance(block_size, bool) or not isinstance(block_size, int):
         raise TypeError(
@@ -199,6 +231,7 @@ def _prefix_flags(doc_ids: Tensor, prefix_lengths: Any) -> Tensor:
     best_before = torch.nn.functional.pad(best[:, :-1], (1, 0), value=-1)
     ok = ~real | (d == best_before + 1) | ((d == best_before) & (prev == d))
     if not bool(ok.all()):
+        _check_runs(d)  # an id in two runs: the refusal every entry point gives
         bad_row = int((~ok).any(-1).nonzero()[0])
         raise ValueError(
             f"prefix_lm needs doc ids 0..n-1 in order with each document contiguous in its row "
@@ -658,6 +691,8 @@ class Mask:
             raise ValueError(
                 f"B={B} but the mask's doc_ids have {rows} rows; leave B unset or pass B={rows}."
             )
+        if not torch.compiler.is_compiling():
+            _check_documents(self)
         if self.kind in ("document", "document_causal") and _bm.packed_layout(doc_ids):
             # The packer's layout: index tensors written straight from per-block runs.
             return _bm.document_block_mask(
@@ -776,13 +811,18 @@ def _sliding_window(window: int, limit: Tensor) -> Mask:
 def document(doc_ids: Tensor) -> Mask:
     """Document mask: q attends kv iff ``doc_ids[q] == doc_ids[kv] >= 0`` (bidirectional).
 
-    Any integer ids are valid (repeated, non-contiguous: equality semantics).
+    Ids may be any integers, in any order (``[7, 7, 2, 2**40]``), but each id one run of its
+    row: ``[0, 0, 1, 1, 0, 0]`` (one document or two?) is refused, as by every entry point
+    that reads doc ids; ``flexpack.PackedLayout.from_runs(doc_ids).doc_ids`` gives each run its
+    own id. On the host the check runs here; on an accelerator, with the host sync of the
+    mask's first use (its block mask, or the plan of ``flexpack.attention``).
 
     Args:
         doc_ids: (S,) or (B, S) integer tensor; negative marks padding.
 
     Raises:
-        TypeError: doc_ids not an integer tensor. ValueError: rank not 1 or 2, or empty.
+        TypeError: doc_ids not an integer tensor. ValueError: rank not 1 or 2, or empty; an id
+            names two separate runs of a row.
 
     Example:
         >>> import torch
@@ -790,7 +830,7 @@ def document(doc_ids: Tensor) -> Mask:
         >>> m.mask_mod(torch.tensor(0), torch.tensor(0), torch.tensor(1), torch.tensor(0))
         tensor(True)
     """
-    d = _shared_doc_ids(doc_ids)
+    d = _document_ids(doc_ids)
     return Mask("document", _named(_document_mod(d, causal=False), "document"), doc_ids=d)
 
 
@@ -802,6 +842,9 @@ def _document_causal(d: Tensor) -> Mask:
 
 def padding(doc_ids: Tensor) -> Mask:
     """Padding mask: q attends kv iff both are real tokens (``doc_ids >= 0``).
+
+    It reads which tokens are real, not which document they belong to, so any ids serve (an id
+    naming two runs of a row too, which :func:`document` refuses).
 
     Args:
         doc_ids: (S,) or (B, S) integer tensor; negative marks padding.
@@ -910,7 +953,7 @@ def document_causal_mask(doc_ids: Tensor, *, block_size: int = 128) -> BlockMask
         >>> bm.shape, bm.full_kv_num_blocks.tolist()
         ((2, 1, 4, 4), [[[0, 0]], [[0, 0]]])
     """
-    return _document_causal(_shared_doc_ids(doc_ids)).block_mask(block_size=block_size)
+    return _document_causal(_document_ids(doc_ids)).block_mask(block_size=block_size)
 
 
 def prefix_lm_mask(doc_ids: Tensor, prefix_lengths: Tensor, *, block_size: int = 128) -> BlockMask:

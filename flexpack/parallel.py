@@ -42,6 +42,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from flexpack.layout import _check_runs
+
 __all__ = [
     "ContextShard",
     "ContextStats",
@@ -66,33 +68,17 @@ _SCHEDULES = ("auto", "all_gather", "ring")
 def _token_work(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per token of one row: (keys it sees under the document-causal mask, position in doc).
 
-    ``d``: (S,) int ids, negative on padding; a document is every token of one id (its tokens
-    need not be contiguous). Returns two (S,) int64 arrays: ``rank + 1`` and ``rank`` for real
-    tokens (``rank`` = earlier tokens of the same id), 0 and 0 on padding.
+    ``d``: (S,) int ids, negative on padding, each id one run (checked by the callers with
+    flexpack.layout's rule). Returns two (S,) int64 arrays: ``pos + 1`` and ``pos`` for real
+    tokens (``pos`` = earlier tokens of its run), 0 and 0 on padding.
     """
     S = d.shape[0]
-    real_mask = d >= 0
+    real = d >= 0
     starts = np.flatnonzero(np.r_[True, d[1:] != d[:-1]]) if S else np.zeros(0, np.int64)
-    run_ids = d[starts]
-    real_runs = run_ids[run_ids >= 0]
-    if np.unique(real_runs).size == real_runs.size:  # each document one run: the packer's rows
-        lengths = np.diff(np.r_[starts, S])
-        pos = np.arange(S, dtype=np.int64) - np.repeat(starts, lengths)
-        pos[~real_mask] = 0
-        return np.where(real_mask, pos + 1, 0), pos
-    work = np.zeros(S, dtype=np.int64)
-    pos = np.zeros(S, dtype=np.int64)
-    real = np.flatnonzero(real_mask)
-    ids = d[real]
-    order = np.argsort(ids, kind="stable")  # by id, then position
-    sid = ids[order]
-    start = np.ones(sid.size, dtype=bool)
-    start[1:] = sid[1:] != sid[:-1]
-    first = np.flatnonzero(start)
-    rank = np.arange(sid.size) - np.repeat(first, np.diff(np.append(first, sid.size)))
-    pos[real[order]] = rank
-    work[real[order]] = rank + 1
-    return work, pos
+    lengths = np.diff(np.r_[starts, S])
+    pos = np.arange(S, dtype=np.int64) - np.repeat(starts, lengths)
+    pos[~real] = 0
+    return np.where(real, pos + 1, 0), pos
 
 
 def _unit(per_rank: int, block_size: int) -> int:
@@ -490,8 +476,10 @@ def shard_context(
     the hash alone.
 
     Args:
-        doc_ids: (B, S) or (S,) int; -1 (any negative) marks padding. A document is all tokens
-            of one id in a row (as ``flexpack.masks.document``); any lengths.
+        doc_ids: (B, S) or (S,) int; -1 (any negative) marks padding. A document is a run of
+            one id in a row, any length; an id naming two separate runs of a row is refused (as
+            by ``flexpack.masks.document``; ``flexpack.PackedLayout.from_runs(doc_ids).doc_ids``
+            numbers the runs).
         world_size: ranks in the context-parallel group; ``S % world_size == 0``.
         rank: this rank, in [0, world_size).
         balance: "work", "head_tail" or "contiguous".
@@ -505,7 +493,7 @@ def shard_context(
     Raises:
         TypeError: doc_ids not an integer tensor; non-int world_size, rank or block_size.
         ValueError: a shape other than (B, S) / (S,), S not a multiple of world_size, rank out
-            of range, an unknown balance.
+            of range, an unknown balance, an id naming two separate runs of a row.
 
     Example:
         >>> doc_ids = torch.tensor([[0] * 6 + [1] * 2])  # a 6-token and a 2-token document
@@ -552,6 +540,7 @@ def shard_context(
         )
     device = doc_ids.device
     d = doc_ids.detach().cpu().numpy().astype(np.int64)  # the one host sync
+    _check_runs(torch.from_numpy(d))  # on the host copy: no sync
     fingerprint = _fingerprint(d, world_size, balance, block_size)
     plan = _plan(d, world_size, balance, block_size, fingerprint)
     per = S // world_size
@@ -783,6 +772,7 @@ def _groups(b: np.ndarray, doc: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray
 
 def _ring_plan(shard: ContextShard, causal: bool, heads: int, device: torch.device) -> _RingPlan:
     d = shard.row_doc_ids.cpu().numpy()
+    _check_runs(torch.from_numpy(d), "shard.row_doc_ids")  # a shard built by hand: the host copy
     gathered = shard.gathered_index.cpu().numpy()
     B, S = d.shape
     W, per = shard.world_size, S // shard.world_size

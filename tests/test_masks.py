@@ -189,10 +189,17 @@ def test_bad_prefix_lengths() -> None:
 
 
 @pytest.mark.parametrize(
-    "row", [[1, 1, 0, 0], [0, 0, 2, 2], [0, 1, 0, 1], [0, -1, 0, 1], [5, 5, 5, 5]]
+    ("row", "why"),
+    [
+        ([1, 1, 0, 0], r"0\.\.n-1 in order"),
+        ([0, 0, 2, 2], r"0\.\.n-1 in order"),
+        ([0, 1, 0, 1], "two separate runs"),  # an id in two runs: every entry point's refusal
+        ([0, -1, 0, 1], "two separate runs"),
+        ([5, 5, 5, 5], r"0\.\.n-1 in order"),
+    ],
 )
-def test_prefix_lm_rejects_unordered_doc_ids(row) -> None:
-    with pytest.raises(ValueError, match=r"0\.\.n-1 in order"):
+def test_prefix_lm_rejects_unordered_doc_ids(row, why) -> None:
+    with pytest.raises(ValueError, match=why):
         flexpack.prefix_lm_mask(torch.tensor(row), torch.tensor([1, 1, 1, 1, 1, 1][: max(row) + 1]))
 
 

@@ -17,14 +17,14 @@ import torch.multiprocessing as mp
 
 
 def _doc_ids() -> torch.Tensor:
-    """Two rows of 48 tokens: lengths that divide nothing, padding, a document split in two."""
+    """Two rows of 48 tokens: lengths that divide nothing, padding, ids out of order."""
     lengths = [[17, 5, 19, 7], [3, 29, 11]]
     rows = []
     for row in lengths:
         ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
         rows.append(torch.cat([ids, torch.full((48 - len(ids),), -1)]))
     d = torch.stack(rows)
-    d[1, 40:44] = 0  # row 1: id 0 again after other documents (one document, two runs)
+    d[1, 40:44] = 7  # row 1: an id out of order after other documents
     return d
 
 

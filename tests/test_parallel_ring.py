@@ -16,14 +16,14 @@ import torch.multiprocessing as mp
 
 
 def _doc_ids(S: int = 48) -> torch.Tensor:
-    """Two rows: lengths that divide nothing, padding, a document split in two runs."""
+    """Two rows: lengths that divide nothing, padding, ids out of order."""
     lengths = [[17, 5, 19, 7], [3, 29, 11]]
     rows = []
     for row in lengths:
         ids = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row))
         rows.append(torch.cat([ids, torch.full((48 - len(ids),), -1)]))
     d = torch.stack(rows)
-    d[1, 40:44] = 0  # row 1: id 0 again after other documents (one document, two runs)
+    d[1, 40:44] = 7  # row 1: an id out of order after other documents
     return d[:, :S]
 
 
@@ -66,7 +66,7 @@ def _check_disagree(rank, world):
     d = _doc_ids()
     if rank == world - 1:
         d = d.clone()
-        d[0, 3] = 9  # one rank read another batch
+        d[0, :3] = 9  # one rank read another batch
     shard = shard_context(d, world, rank)
     q = torch.randn(2, 2, 48 // world, 8)
     for schedule in ("ring", "all_gather"):

@@ -889,7 +889,7 @@ def _doc_ids(
     """(B, S) integer document ids, -1 on padding, from the first source that is given.
 
     Given ids (``doc_ids``, ``seq_idx``) must name one run of a row each (ValueError otherwise,
-    :func:`flexpack.layout._run_starts`'s rule, PackedLayout's).
+    :func:`flexpack.layout._check_runs`, the refusal of every flexpack entry point).
 
     Signed ids keep their dtype (an int64 id of 2**32 stays itself: a cast to int32 would merge it
     with document 0); unsigned ids become int64 so that -1 fits, and the mask refuses uint64 ids
@@ -926,15 +926,13 @@ def _doc_ids(
 
         ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
     if given is not None and ids.device.type == "cpu":
-        from flexpack.layout import _run_starts
+        from flexpack.layout import _check_runs
 
-        # one rule for attention, loss and the mixers: an id names one run of a row (masks
-        # would join [0 0 1 1 0 0]'s runs, the mixers' states restart at each). Checked where
-        # the ids are on the host: on a GPU the check would cost two host syncs a forward
-        # (tests/test_fake_cuda_paths.py holds a forward to one), so there the mixers' plan
-        # (a host copy it makes anyway) and PackedLayout refuse such ids, and the attention
-        # keeps the masks' equality rule.
-        _run_starts(ids, given)
+        # flexpack's one rule: an id names one run of a row, or the call is refused (here to
+        # name the source). On a GPU the check waits for a host sync the forward makes anyway
+        # (tests/test_fake_cuda_paths.py holds it to one): flexpack.attention's plan, the
+        # mixers' plan (a host copy), PackedLayout.
+        _check_runs(ids, given)
     ids = ids.expand(B, S)
     if padding is not None:
         if padding.dim() != 2:

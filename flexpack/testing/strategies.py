@@ -147,9 +147,10 @@ def doc_ids(
     """Document ids of a packed batch: ``(B, S)`` ints, ``-1`` (or any negative) for padding.
 
     With ``contiguous=True`` each row is what the packer emits: ids 0..n-1 in order, then
-    padding at the end. With ``contiguous=False`` ids are arbitrary: repeated in separate runs,
-    out of order, with padding anywhere (any negative value), which document / document_causal
-    masks must still handle with equality semantics.
+    padding at the end. With ``contiguous=False`` ids are arbitrary: out of order, of any size,
+    adjacent runs of one id (one document), padding anywhere (any negative value); but each id
+    one run of its row, as every flexpack entry point requires (``[0, 0, 1, 0]`` is refused:
+    ``flexpack.PackedLayout.from_runs`` numbers such runs).
 
     Args:
         batch_size: number of rows; ``None`` draws it from 1..``max_batch_size``.
@@ -219,7 +220,7 @@ def doc_ids(
     for b, lengths in enumerate(rows):
         if not contiguous:
             lengths = _cut_runs(draw, lengths)
-            ids = _arbitrary_ids(draw, len(lengths), allow_padding, dtype)
+            ids = _one_run_each(_arbitrary_ids(draw, len(lengths), allow_padding, dtype))
         else:
             ids = list(range(len(lengths)))
         start = 0
@@ -251,6 +252,22 @@ def _arbitrary_ids(draw: st.DrawFn, n: int, allow_padding: bool, dtype: torch.dt
     extremes = [info.max] + ([info.min] if allow_padding else [])
     pool = st.integers(low, max(1, n // 2 + 1)) | st.sampled_from(extremes)
     return draw(st.lists(pool, min_size=n, max_size=n))
+
+
+def _one_run_each(ids: list[int]) -> list[int]:
+    # An id drawn again after other runs would name two runs of the row, which flexpack refuses:
+    # it takes the smallest id not used yet (the same id right after itself extends its run).
+    out: list[int] = []
+    used: set[int] = set()
+    for k, i in enumerate(ids):
+        if k and i == ids[k - 1]:
+            i = out[-1]
+        elif i >= 0 and i in used:
+            i = next(j for j in range(len(ids) + 1) if j not in used)
+        out.append(i)
+        if i >= 0:
+            used.add(i)
+    return out
 
 
 def _row_doc_lengths(doc_row: Tensor) -> list[int]:
