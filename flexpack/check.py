@@ -106,6 +106,12 @@ class CheckReport:
             cross them.
         verified: flexpack's verified table's verdict for the class on this transformers
             release ("exact", "refused" or None): what the model zoo verified, for the record.
+        flattened: the verdict on the path transformers' own padding-free training takes,
+            run on the model as it is (its attention implementation, its mixers adapted or
+            not): the documents concatenated into one row with restarting ``position_ids``
+            and nothing else, as ``DataCollatorWithFlattening`` and TRL's ``packing=True``
+            hand them. "exact", or a sentence that starts "not exact" and names the module
+            and the fix, or one that starts "not run" (e.g. a kernel the CPU lacks).
     """
 
     model: str
@@ -122,6 +128,7 @@ class CheckReport:
     layers: int | None = None
     not_crossed: tuple[str, ...] = ()
     verified: str | None = None
+    flattened: str = "exact"
 
     def __str__(self) -> str:
         versions = f"transformers {self.transformers}, flexpack {self.flexpack}"
@@ -137,6 +144,8 @@ class CheckReport:
             f"{self.model}: exact on packed rows ({self.documents} documents, {self.tokens} "
             f"tokens, max |diff| {self.max_abs_diff:.1e} against each document alone, run on "
             f"{what} in float64, {mode} mode{missed}; {versions}; {self.seconds:.2f} s{cached})"
+            f". Flattened rows (position_ids only: DataCollatorWithFlattening, TRL's "
+            f"packing=True), as the model is: {self.flattened}"
         )
 
 
@@ -256,7 +265,7 @@ def check(
     report = CheckReport(
         type(inner).__name__, *versions, kind, found.diff, found.documents, found.tokens,
         time.perf_counter() - start, False, found.lengths, inner.training, found.layers,
-        found.not_crossed, verified(type(inner).__name__, versions[0]),
+        found.not_crossed, verified(type(inner).__name__, versions[0]), found.flattened,
     )  # fmt: skip
     _verdicts[inner] = _Verdict(setting, _State(inner), report)
     return report
@@ -415,6 +424,7 @@ class _Found:
     lengths: tuple[int, ...]
     layers: int | None
     not_crossed: tuple[str, ...]
+    flattened: str
 
 
 def _probe(
@@ -434,10 +444,13 @@ def _probe(
         layers = borrowed.first_layers() if kind == "layers" else None
         borrowed.to_float64(rows if kind == "layers" else None)
         borrowed.deterministic()
+        # first, as the model is: flexpack's run below sets its attention and adapts it
+        flattened = _run_flattened(target, type(model).__name__, kind, tol, documents)
         diff, spans = _run(target, type(model).__name__, kind, tol, documents)
     if layers is None:
         layers = _layer_count(target)
-    return _Found(diff, len(spans), sum(b - a for a, b in spans), lengths, layers, not_crossed)
+    tokens = sum(b - a for a, b in spans)
+    return _Found(diff, len(spans), tokens, lengths, layers, not_crossed, flattened)
 
 
 def _lengths(config: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -753,6 +766,68 @@ def _run(
             alone.append(calls)
     S = batch.input_ids.shape[1]
     return _compare(name, kind, row, alone, spans, S, tol, failed), spans
+
+
+def _run_flattened(
+    model: torch.nn.Module,
+    name: str,
+    kind: str,
+    tol: tuple[float, float],
+    documents: list[Tensor],
+) -> str:
+    """The documents as transformers' padding-free collators hand them (one row, restarting
+    ``position_ids``, no ``attention_mask``, no ``doc_ids``) through the model as it is,
+    against each document alone through the same model: the verdict for
+    :attr:`CheckReport.flattened`."""
+    lengths = [len(d) for d in documents]
+    row_ids = torch.cat(documents)[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    spans, start = [], 0
+    for n in lengths:
+        spans.append((start, start + n))
+        start += n
+    with torch.no_grad(), torch.autocast("cpu", enabled=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        alone: list[_Recorder] = []
+        try:
+            for a, b in [(0, start), *spans]:  # the row, then each document alone
+                calls = _Recorder(model)
+                try:
+                    torch.manual_seed(0)
+                    model(input_ids=row_ids[:, a:b], use_cache=False,
+                          **({"position_ids": positions} if b - a == start else {}))  # fmt: skip
+                finally:
+                    calls.remove()
+                alone.append(calls)
+        except Exception as e:  # a kernel the CPU lacks (flash-attn), a refusal by name
+            first = str(e).split(". ")[0]
+            return f"not run here ({type(e).__name__}: {first})"
+        row = alone.pop(0)
+    try:
+        _compare(name, kind, row, alone, spans, start, tol, None)
+    except _NotExact as e:
+        return "not exact: " + _flattened_fix(model) + " " + str(e).split(": ", 1)[1]
+    except RuntimeError as e:
+        return f"not run here ({e})"
+    return "exact"
+
+
+def _flattened_fix(model: torch.nn.Module) -> str:
+    """What makes the flattened path exact on ``model``."""
+    from flexpack import mixers
+    from flexpack.integrations._mixers_check import has_attention
+    from flexpack.integrations.transformers import register
+
+    fixes = []
+    if has_attention(model) and getattr(model.config, "_attn_implementation", None) != register():
+        fixes.append("load it with attn_implementation=flexpack.integrations.transformers."
+                     "register() (or set_attn_implementation)")  # fmt: skip
+    if any(not mixers.is_adapted(model.get_submodule(p)) for p, _ in mixers.mixers_of(model)):
+        fixes.append("call flexpack.mixers.adapt(model) before training (nothing of flexpack's "
+                     "runs in this path to adapt its recurrent / conv layers)")  # fmt: skip
+    if not fixes:
+        return "(flexpack's own kwargs, packed_forward_kwargs(batch, model=model), are exact)."
+    return "to fix it, " + " and ".join(fixes) + "."
 
 
 def _layers_note(kind: str) -> str:

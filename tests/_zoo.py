@@ -231,16 +231,36 @@ CHECK_OWN_MODEL = """
 
 <!-- docs-test: requires transformers -->
 
-`flexpack.check(model)` answers for the model you have (a checkpoint, a config of your own,
-modules you added): it packs three documents into one row, runs the row through flexpack and
-each document alone under `eager`, in float64 on CPU, on a copy of the model (above 2e7
-parameters, on a tiny model of its class built from its config), and compares the output of
-every module. It returns a short report when each document gets what it gets alone; otherwise
-it raises a `ValueError` with flexpack's refusal, or naming the first module whose output
-differs. Verdicts are kept per process, and a class that flexpack's verified table
-(`flexpack/assets/verified_models.json`, from the zoo below) lists as exact on your transformers
-release is reported without running (`force=True` runs it anyway). Needs transformers:
-`pip install -e '.[hf]'`.
+`flexpack.check(model)` answers for the model you have, the object itself: its modules, the
+forwards patched on its classes or instances, its hooks, in the mode it is in (training or
+eval). It packs documents into one row, runs the row through flexpack and each document alone
+under `eager`, in float64 on CPU, and compares the output of every module. It returns a short
+report when each document gets what it gets alone; otherwise it raises a `ValueError` with
+flexpack's refusal, or naming the first module whose output differs.
+
+- The probe borrows the model: float64 copies on CPU of the weights of the modules it runs,
+  dropout set to 0 (training mode stays on, so code that mixes tokens only while training is
+  seen), flexpack's attention set; then everything it touched is put back. Above 2e7
+  parameters it runs the model's first layers (one of each kind, and every layer with code of
+  its own) and the embedding rows its tokens use; on the meta device, a tiny model of its class
+  (refused when the model carries code such a model would not have).
+- The documents' lengths come from the config: a 1-token document, and one longer than every
+  length-dependent rule up to 512 tokens (sliding window, attention chunk, scan chunk, and for
+  scaled RoPE `max_position_embeddings` and `original_max_position_embeddings`); the report's
+  `not_crossed` lists longer ones (`lengths=` crosses them).
+- It also runs the path transformers' own padding-free training takes on the model as it is
+  (one row, restarting `position_ids` and nothing else, as `DataCollatorWithFlattening` and
+  TRL's `packing=True` hand it): `report.flattened` is `"exact"`, or names the module that mixes
+  documents and the fix (`attn_implementation=register()`; `flexpack.mixers.adapt(model)` for
+  recurrent / conv layers, which nothing of flexpack's reaches on that path).
+- The verdict is kept per object until the object changes (a parameter replaced or written, a
+  forward or hook added or removed, train / eval, a class's forward patched).
+- flexpack's verified table (`flexpack/assets/verified_models.json`, from the zoo below)
+  documents what was verified (`report.verified`); it never replaces the run.
+- RoPE that transformers rescales per call by the call's longest position (`rope_type`
+  `"dynamic"`, `"longrope"`) cannot be exact on packed rows: a packed call refuses it by name.
+
+Needs transformers: `pip install -e '.[hf]'`.
 
 ```python
 import torch
@@ -257,7 +277,7 @@ config = LlamaConfig(
     num_key_value_heads=2,
 )
 model = LlamaForCausalLM(config)  # or AutoModelForCausalLM.from_pretrained(...)
-report = flexpack.check(model, force=True)  # force: run the probe, not the verified table
+report = flexpack.check(model)
 print(report)
 
 
@@ -276,7 +296,7 @@ except ValueError as e:
 prints (abridged)
 
 ```
-LlamaForCausalLM: exact on packed rows (3 documents, 34 tokens, max |diff|
+LlamaForCausalLM: exact on packed rows (5 documents, 100 tokens, max |diff|
 ...
 flexpack.check: LlamaForCausalLM is not exact on packed rows: the first module whose output
 differs from the document alone is `model.layers.1.mlp` (RunningSum): by

@@ -206,6 +206,31 @@ def test_a_pure_ssm_is_adapted_and_exact():
     assert not any(mixers.is_adapted(m) for m in model.modules())
 
 
+def test_the_flattened_path_is_judged_on_the_model_as_it_is():
+    """transformers' own padding-free rows (position_ids only): a Llama on sdpa is exact there
+    (transformers finds the documents in the positions), RWKV loaded with register() is not
+    (no flexpack code runs in its forward to adapt its recurrence) until it is adapted, and the
+    report names the fix; flexpack's own kwargs are exact on all of them."""
+    from flexpack import mixers
+    from flexpack.integrations._tiny import tiny_config
+    from flexpack.integrations.transformers import register
+
+    torch.manual_seed(0)
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+    llama.set_attn_implementation("sdpa")
+    assert flexpack.check(llama).flattened == "exact"
+    rwkv = transformers.AutoModelForCausalLM.from_config(
+        tiny_config(transformers.RwkvConfig(), register())
+    )
+    report = flexpack.check(rwkv)
+    assert report.max_abs_diff < 1e-5  # flexpack's kwargs
+    assert report.flattened.startswith("not exact") and "flexpack.mixers.adapt" in report.flattened
+    assert "rwkv.blocks.0" in report.flattened and "DataCollatorWithFlattening" in str(report)
+    assert not any(mixers.is_adapted(m) for m in rwkv.modules())  # left as it was
+    mixers.adapt(rwkv)
+    assert flexpack.check(rwkv).flattened == "exact"
+
+
 def test_a_hybrid_model_is_adapted_and_exact():
     """Qwen3.5: gated delta rule layers beside attention layers, one of each."""
     from flexpack.integrations._tiny import tiny_config
