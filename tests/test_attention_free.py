@@ -139,3 +139,22 @@ def test_adapted_attention_free_model_on_flattened_rows_equals_each_document_alo
     supervised = [len(d) - 1 for d in docs]
     mean = sum(a.loss * n for a, n in zip(alone, supervised, strict=True)) / sum(supervised)
     torch.testing.assert_close(packed.loss, mean, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("source", ["doc_ids", "position_ids"])
+def test_xlstm_cutting_packed_rows_into_inference_chunks_is_refused(source):
+    """In eval, xLSTM's model cuts rows longer than config.max_inference_chunksize into pieces
+    carried through a cache: its layers cannot see where a piece's documents start, so packed
+    rows longer than that are refused by name (position_ids alone ran the documents together;
+    doc_ids raised about their shape)."""
+    model = tiny(ATTENTION_FREE["xlstm"])
+    model.config.max_inference_chunksize = 16
+    batch = flexpack.pack_sequences(documents(), max_len=40, strategy="greedy")
+    kwargs = packed_forward_kwargs(batch, model=model)
+    if source == "position_ids":
+        kwargs = {k: kwargs[k] for k in ("input_ids", "position_ids", "use_cache") if k in kwargs}
+    with pytest.raises(ValueError, match="max_inference_chunksize"), torch.no_grad():
+        model(**kwargs)
+    model.config.max_inference_chunksize = 64  # above the row: exact again
+    with torch.no_grad():
+        model(**packed_forward_kwargs(batch, model=model))

@@ -182,6 +182,7 @@ class _Call:
         padding = sources.get("attention_mask")
         if not (isinstance(padding, Tensor) and padding.dim() == 2):
             padding = None
+        _refuse_split_rows(S, doc_ids, seq_idx, position_ids)
         if isinstance(position_ids, Tensor) and position_ids.shape[-1] != S:
             position_ids = None  # not this sequence's positions
         if padding is not None and padding.shape[-1] < S:
@@ -199,6 +200,27 @@ class _Call:
         if plan is None:
             plan = self.plans[pad_factor] = DocumentPlan.from_doc_ids(self.ids, pad_factor)
         return plan
+
+
+def _refuse_split_rows(S: int, *sources: Any) -> None:
+    """A mixer called on a piece of the call's rows (xLSTM in eval splits rows longer than its
+    config's ``max_inference_chunksize`` and carries its state between the pieces through a
+    cache) cannot tell where the piece's documents start: refused when the rows are packed."""
+    rows = [t for t in sources if isinstance(t, Tensor) and t.dim() >= 1 and t.shape[-1] > S]
+    if not rows:
+        return
+    doc_ids, seq_idx, position_ids = sources
+    packed = any(t is doc_ids or t is seq_idx for t in rows) or bool(
+        (position_ids[..., 1:] == 0).any()  # restarting positions: packed documents
+    )
+    if packed:
+        raise ValueError(
+            f"a recurrent / conv layer was called on {S} tokens of rows of "
+            f"{rows[0].shape[-1]}: the model splits its rows into pieces (xLSTM does in eval, "
+            "past config.max_inference_chunksize) and carries its state from piece to piece, "
+            "across the documents of a packed row. Pack rows no longer than that size, or "
+            "raise it (config.max_inference_chunksize) above the rows' length."
+        )
 
 
 class _Adapted:
