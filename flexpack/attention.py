@@ -46,7 +46,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from flexpack import _attention_flex, _attention_sdpa, _attention_tree
 from flexpack import masks as _masks
 from flexpack._attention_flex import RecompileLimitError
-from flexpack._tensor_cache import PerTensor, all_match, on_clear, stamps
+from flexpack._tensor_cache import PerTensor, all_match, make_room, on_clear, stamps
 from flexpack.layout import _check_runs
 
 __all__ = ["RecompileLimitError", "attention"]
@@ -440,8 +440,7 @@ def _cached_block_mask(mask: Any, B: int, S: int, block_size: int, device: torch
     # Masks with doc ids build on their device (that of q, checked by _mask_spec).
     where = None if getattr(mask, "doc_ids", None) is not None else device
     built = mask.block_mask(B=B, Q_LEN=S, KV_LEN=S, device=where, block_size=block_size)
-    if len(_BLOCK_MASKS) >= _MAX_BLOCK_MASKS:
-        _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+    make_room(_BLOCK_MASKS, _MAX_BLOCK_MASKS)
     _BLOCK_MASKS[key] = (mask.mask_mod, stamps(tensors), built)
     return built
 
@@ -624,8 +623,7 @@ def _padded_spec(
         padded = mask._rebuilt(pad)
         if not _excludes_padding(padded):
             padded = padded & _masks.padding(tail)
-        if len(_PADDED) >= _MAX_BLOCK_MASKS:
-            _PADDED.pop(next(iter(_PADDED)))
+        make_room(_PADDED, _MAX_BLOCK_MASKS)
         _PADDED[key] = (mask.mask_mod, stamps(tensors), padded)
     return _MaskSpec(kind=padded.kind, doc_ids=padded.doc_ids, mask=padded, block_mask=None)
 
