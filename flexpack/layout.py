@@ -125,10 +125,9 @@ def _run_starts(d: Tensor, where: str = "doc_ids") -> Tensor:
             raise ValueError(
                 f"{where}: doc id {int(i[k])} names two separate runs of row {row} (at "
                 f"positions {first} and {again}, with other ids or padding between), but a "
-                "document must be one contiguous run of its row. If the runs are separate "
-                f"documents, give each its own id: flexpack.PackedLayout.from_runs({where})"
-                ".doc_ids numbers them 0..n-1; if they are one document, make its tokens "
-                "contiguous."
+                "document must be one contiguous run of its row. Give each run its own id if "
+                f"the runs are separate documents (flexpack.PackedLayout.from_runs({where})"
+                ".doc_ids numbers them 0..n-1), or make its tokens contiguous if they are one."
             )
     return start
 

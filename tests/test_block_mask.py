@@ -71,9 +71,20 @@ def _packed_row(S: int, rng: random.Random) -> list[int]:
     return row + [-1] * (S - n_real)
 
 
+def _arbitrary_row(S: int, rng: random.Random) -> list[int]:
+    """Ids out of order and of any size, padding between documents, each id one run (an id in
+    two runs of a row is refused everywhere: tests/test_split_runs.py)."""
+    row: list[int] = []
+    fresh = rng.sample(range(10**6), S)  # distinct ids, unsorted
+    while len(row) < S:
+        doc = rng.choice([-1, -2, fresh.pop()])
+        row += [doc] * min(rng.choice([1, 2, 3, rng.randint(1, S)]), S - len(row))
+    return row
+
+
 def _layout(B: int, S: int, rng: random.Random, arbitrary: bool = False) -> torch.Tensor:
-    if arbitrary:  # repeated, non-contiguous, interleaved padding: equality semantics
-        return torch.tensor([[rng.randint(-2, 3) * 7 for _ in range(S)] for _ in range(B)])
+    if arbitrary:  # out of order, interleaved padding: the generic classification
+        return torch.tensor([_arbitrary_row(S, rng) for _ in range(B)])
     return torch.tensor([_packed_row(S, rng) for _ in range(B)], dtype=torch.int32)
 
 
@@ -119,8 +130,8 @@ def test_primitives_identical_to_create_block_mask(B: int, S: int, bs: int) -> N
         list(range(24)),  # one-token documents
         [-1] * 24,  # all padding
         [0] * 10 + [-1] * 14,
-        [5, 5, 9, 9, 5, 5, 9, 9] * 3,  # repeated, non-contiguous ids
-        [3] * 8 + [-1] * 8 + [3] * 8,  # padding inside a document (equality semantics)
+        [9] * 5 + [5] * 7 + [7] * 3 + [2] * 9,  # ids out of order
+        [3] * 8 + [-1] * 8 + [1] * 8,  # padding between documents
         [0] * 23 + [1],
     ],
 )
@@ -142,7 +153,7 @@ def test_prefix_lm_edge_cases() -> None:
 def test_arbitrary_ids_large_block_count() -> None:
     # Sorted and generic code paths must agree with the reference on the same structure.
     rng = random.Random(7)
-    d = torch.tensor([[rng.choice([-1, 0, 1, 2, 40, 41]) for _ in range(96)] for _ in range(2)])
+    d = _layout(2, 96, rng, arbitrary=True)
     m = masks.document(d)
     _assert_identical(m.block_mask(block_size=4), _reference(m, 4))
     sorted_d = torch.sort(d, dim=-1).values
@@ -218,7 +229,7 @@ def test_generic_ids_in_bounded_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     # Every id in every block: pair enumeration is bs times the block matrix, done in steps.
     monkeypatch.setattr(bmod, "_PAIRS", 7)
     rng = random.Random(11)
-    for d in (torch.arange(40)[None] % 4, _layout(2, 33, rng, arbitrary=True)):
+    for d in (torch.arange(40)[None].flip(-1), _layout(2, 33, rng, arbitrary=True)):
         m = masks.document(d)
         _assert_identical(m.block_mask(block_size=4), _reference(m, 4))
 
@@ -287,7 +298,7 @@ def test_document_block_mask_expands_batch() -> None:
         ([0, 0, 1, 1, -1, -1], True),
         ([-1, -1, -1], True),
         ([0, 1, 1, 3, 3], True),  # gaps in the ids are fine: only the order matters
-        ([0, -1, 0], False),  # padding inside a document: not the packer's layout
+        ([0, -1, 1], False),  # padding between documents: not the packer's layout
         ([1, 1, 0], False),
     ],
 )
