@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 import flexpack
 from flexpack.parallel import (
     ContextShard,
-    _local_attention,
     context_parallel_attention,
     shard_block_mask,
     shard_context,
 )
+from flexpack.parallel.attention import _local_attention
 from flexpack.testing import strategies as fst
 from flexpack.testing.references import dense_mask
 
@@ -160,12 +160,8 @@ def test_local_attention_fp32_gqa_softcap() -> None:
 def _ring_all_ranks(d, world, balance, *, causal, dtype, Hq, Hkv, softcap, block_size):
     """Every rank's ring, in one process: each rank merges every rank's K/V block by LSE, and
     each block's dk, dv sum over the ranks' backward steps (what the ring's passes add up)."""
-    from flexpack.parallel import (
-        _heads,
-        _ring_block_backward,
-        _ring_block_forward,
-        _ring_plan,
-    )
+    from flexpack.parallel.ring import _ring_block_backward, _ring_block_forward, _ring_plan
+    from flexpack.parallel.sharding import _heads
 
     B, S = d.shape
     q, k, v = _qkv(B, Hq, Hkv, S, 8, dtype)
@@ -329,12 +325,12 @@ def test_work_balance_within_3_percent_on_short_rows(S) -> None:
 
 
 def test_plans_are_cached_per_layout() -> None:
-    from flexpack import parallel
+    from flexpack.parallel import planning
 
     d = _lognormal_row(4096, 300, np.random.default_rng(5))
     a, b = shard_context(d, 4, 0), shard_context(d.clone(), 4, 3)
     key = a.fingerprint
-    assert key == b.fingerprint and key in parallel._PLANS  # one plan for the layout
+    assert key == b.fingerprint and key in planning._PLANS  # one plan for the layout
     assert torch.equal(a.gathered_index, b.gathered_index)
     e = d.clone()
     e[0, 100:] += 1000  # another layout (a document cut at 100): another plan, not the cached one
@@ -447,7 +443,7 @@ def test_torch_flex_cp_block_mask_takes_the_shards_balancer() -> None:
 
 
 def test_auto_schedule_keeps_the_all_gather_where_the_ring_saves_little() -> None:
-    from flexpack.parallel import _auto_schedule
+    from flexpack.parallel.attention import _auto_schedule
 
     def pick(S, world, heads=8, dim=128, dtype=torch.bfloat16):
         shard = shard_context(torch.zeros(1, S, dtype=torch.long), world, 0)
@@ -475,7 +471,7 @@ def test_stats_say_which_schedule_ran() -> None:
 
 def test_ring_skips_blocks_whose_documents_meet_no_query() -> None:
     """Documents that never cross a rank's share: every other rank's block has no tile."""
-    from flexpack.parallel import _ring_plan
+    from flexpack.parallel.ring import _ring_plan
 
     d = torch.repeat_interleave(torch.arange(4), 16)[None]  # 4 documents of 16, 4 ranks of 16
     for r in range(4):

@@ -13,7 +13,8 @@ from fake_cuda import is_fake_cuda, to_cpu
 
 import flexpack
 from flexpack import _attention_flex
-from flexpack.parallel import _local_attention, context_parallel_attention, shard_context
+from flexpack.parallel import context_parallel_attention, shard_context
+from flexpack.parallel.attention import _local_attention
 from flexpack.testing.references import dense_mask
 
 
