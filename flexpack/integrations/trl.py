@@ -918,6 +918,10 @@ class PackStats:
         row_tokens: the slots of the rows, ``R * max_length`` per micro-batch.
         padded_tokens: what the same samples take unpacked, each its own row padded to the
             longest of its micro-batch (TRL's ``packing=False`` collator).
+        truncated: tokens of a streaming train set that no row holds (``IterableDataset``,
+            ``packing_strategy="bfd"``): cut by truncation to ``max_length`` (as TRL's
+            ``truncation_mode`` cuts), or of a sample left with no supervised token (TRL drops
+            those). The rows' ``tokens`` plus ``truncated`` are the stream's tokens.
 
     ``padding_removed`` is ``padded_tokens - row_tokens`` when that is positive, else 0: the
     slots TRL's default padded batches would have forwarded beyond flexpack's rows. It cannot
@@ -931,6 +935,7 @@ class PackStats:
     tokens: int = 0
     row_tokens: int = 0
     padded_tokens: int = 0
+    truncated: int = 0
 
     @property
     def fill(self) -> float:
@@ -1019,6 +1024,116 @@ class _DocumentWeighted:
         return getattr(self.model, name)
 
 
+class _Truncated:
+    """The samples of TRL's prepared stream as TRL's unpacked path cuts them: to ``max_len``
+    tokens by ``mode`` (``"keep_start"`` / ``"keep_end"``; None: uncut), samples left without a
+    supervised token dropped. Re-iterable; reads the whole stream in every DataLoader worker.
+
+    ``lost`` counts the tokens no row will hold, of the samples this reader owns (stream index
+    ``i % n == g``, ``owner = (g, n)``): every reader reads every sample, so each loss is
+    counted by exactly one reader."""
+
+    def __init__(self, samples: Any, max_len: int, mode: str | None) -> None:
+        self.samples, self.max_len, self.mode = samples, max_len, mode
+        self.owner, self.lost = (0, 1), 0
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        from flexpack.data.streaming import _whole_stream
+
+        g, n, m = *self.owner, self.max_len
+        for i, sample in enumerate(_whole_stream(self.samples)):
+            ids = list(sample["input_ids"])
+            labels = list(sample["labels"]) if sample.get("labels") is not None else ids
+            lost = 0
+            if self.mode is not None:
+                if len(ids) > m:
+                    cut = slice(None, m) if self.mode == "keep_start" else slice(-m, None)
+                    lost, ids, labels = len(ids) - m, ids[cut], labels[cut]
+                if all(label == -100 for label in labels):  # TRL drops it: no loss
+                    lost, ids = lost + len(ids), []
+            if lost and i % n == g:
+                self.lost += lost
+            if ids:
+                yield {"input_ids": ids, "labels": labels}
+
+
+class _StreamedRows(torch.utils.data.IterableDataset):
+    """TRL's prepared stream (a ``datasets.IterableDataset`` of ``input_ids`` and ``labels``)
+    packed on the fly by :class:`flexpack.data.PackedIterableDataset` into rows as TRL's packed
+    datasets hold them: dicts of ``input_ids`` (T_r,) and ``labels`` (T_r,) lists, the row's
+    ``seq_lengths`` (k_r,), and ``truncated``, the tokens lost (see :class:`_Truncated`) that
+    this row reports (counted once over rows, workers and ranks; the last row of each reader
+    carries what is left).
+
+    Memory: at most ``buffer_size`` samples wait, plus one row. Ranks: this object deals the rows
+    itself (``sync_ranks=True``: every rank the same number of rows, every sample once; a short
+    rank's last row is empty), so its DataLoader must not be sharded again (see
+    ``SFTTrainer._flexpack_stream_loader``)."""
+
+    def __init__(
+        self, samples: Any, max_len: int, *, strategy: str, overflow: str, truncation_mode: str,
+        buffer_size: int, pad_id: int, rank: int, world_size: int,
+    ) -> None:  # fmt: skip
+        from flexpack.data import PackedIterableDataset
+
+        self.samples = samples
+        self.truncated = _Truncated(
+            samples, max_len, truncation_mode if overflow == "truncate" else None
+        )
+        self.rank, self.world_size = rank, world_size
+        self.packer = PackedIterableDataset(
+            self.truncated, max_len, buffer_size=buffer_size, strategy=strategy,
+            overflow="error" if overflow == "truncate" else overflow, labels_column="labels",
+            pad_id=pad_id, rank=rank, world_size=world_size, sync_ranks=world_size > 1,
+        )  # fmt: skip
+
+    def set_epoch(self, epoch: int) -> None:  # Trainer calls it: a shuffled stream reshuffles
+        if hasattr(self.samples, "set_epoch"):
+            self.samples.set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        info = torch.utils.data.get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        self.truncated.owner = (self.rank * workers + worker, self.world_size * workers)
+        self.truncated.lost = reported = 0
+        held = None
+        for row in self.packer:  # one row late: the last one reports what is left
+            if held is not None:
+                yield _stream_row(held, self.truncated.lost - reported)
+                reported = self.truncated.lost
+            held = row
+        if held is not None:
+            yield _stream_row(held, self.truncated.lost - reported)
+
+
+def _stream_row(row: Any, truncated: int) -> dict[str, Any]:
+    """A one-row ``PackedBatch`` as a row of TRL's packed datasets (plus ``truncated``)."""
+    doc_ids = row.doc_ids[0]
+    real = doc_ids >= 0
+    seq_lengths = torch.bincount(doc_ids[real].long()).tolist() if bool(real.any()) else []
+    return {
+        "input_ids": row.input_ids[0][real].tolist(),
+        "labels": row.labels[0][real].tolist(),
+        "seq_lengths": seq_lengths,
+        "truncated": truncated,
+    }
+
+
+class _StreamCollator:
+    """The trainer's collator over streamed rows; their ``truncated`` counts travel beside the
+    batch as ``flexpack_truncated`` (read off by ``compute_loss``)."""
+
+    def __init__(self, collator: Any) -> None:
+        self.collator = collator
+
+    def __call__(self, rows: list[dict[str, Any]]) -> Any:
+        truncated = sum(r.get("truncated", 0) for r in rows)
+        batch = self.collator([{k: v for k, v in r.items() if k != "truncated"} for r in rows])
+        if isinstance(batch, dict):
+            batch["flexpack_truncated"] = torch.tensor(truncated)
+        return batch
+
+
 # TRL's packing_strategy -> flexpack's (strategy, overflow) of pack_dataset
 _SFT_STRATEGIES = {
     "bfd": ("bfd", "truncate"),
@@ -1104,8 +1219,19 @@ def _sft_class() -> type:
           (``padding_free=True`` with ``packing=False`` and a ``max_length`` is TRL's error).
         - PEFT weight adapters (LoRA, DoRA, IA3, ...) train as in TRL; prompt-learning methods
           (prefix tuning, prompt tuning, P-tuning: virtual tokens once per row) are refused at
-          construction. Datasets with images and streaming (``IterableDataset``) datasets are
-          refused at construction too.
+          construction. Datasets with images are refused at construction too.
+
+        Streaming (a ``datasets.IterableDataset`` as train or eval set, ``max_steps`` set as TRL
+        asks): TRL prepares the stream lazily as above, and :class:`flexpack.data.
+        PackedIterableDataset` packs it on the fly (best fit inside a buffer of ``buffer_size``
+        samples, a keyword of flexpack's, default 1024; ``"bfd_split"`` / ``"wrapped"`` as
+        above). With ``"bfd"`` a sample over ``max_length`` is cut as TRL's
+        ``truncation_mode`` cuts it, and one left without a supervised token is dropped, as TRL
+        drops it; their lost tokens are counted (``flexpack/truncated``,
+        ``PackStats.truncated``). Every rank reads the whole stream and takes its own rows, the
+        same number on every rank (a short rank's last row is empty), every sample once; the
+        DataLoader is not sharded again by accelerate (whose split repeats rows from the first
+        batch to fill the last).
 
         ``reduction`` (keyword, flexpack's): ``"token"`` (TRL's: the mean over every supervised
         token of the step) or ``"document"`` (the mean over the step's samples of each sample's
@@ -1118,11 +1244,14 @@ def _sft_class() -> type:
 
         ``trainer.flexpack_stats`` (:class:`PackStats`) counts what training forwarded, and the
         logs carry ``flexpack/rows``, ``flexpack/fill``, ``flexpack/tokens`` and
-        ``flexpack/padding_removed`` (>= 0, see :class:`PackStats`) beside TRL's metrics (per
+        ``flexpack/padding_removed`` (>= 0, see :class:`PackStats`) and, for a streaming set,
+        ``flexpack/truncated`` beside TRL's metrics (per
         micro-batch, averaged over the logging interval as TRL averages its own).
         """
 
-        def __init__(self, *args: Any, reduction: str = "token", **kwargs: Any) -> None:
+        def __init__(
+            self, *args: Any, reduction: str = "token", buffer_size: int = 1024, **kwargs: Any
+        ) -> None:
             if reduction not in ("token", "document"):
                 raise ValueError(
                     f"flexpack's SFTTrainer takes reduction='token' (TRL's mean over supervised "
@@ -1132,6 +1261,13 @@ def _sft_class() -> type:
             _refuse_prompt_learning(bound.get("model"), bound.get("peft_config"))
             self.flexpack_stats = PackStats()
             self.flexpack_reduction = reduction
+            if isinstance(buffer_size, bool) or not isinstance(buffer_size, int) or buffer_size < 1:
+                raise ValueError(
+                    f"flexpack's SFTTrainer takes buffer_size, the samples of a streaming dataset "
+                    f"held for best fit, as an int >= 1 (1024 or more keeps rows full); got "
+                    f"{buffer_size!r}."
+                )
+            self.flexpack_buffer_size = buffer_size
             self._flexpack_prepared_train = False  # TRL prepares the train set first
             base.__init__(self, *args, **kwargs)
             _refuse_prompt_learning(self.model, None)
@@ -1180,8 +1316,8 @@ def _sft_class() -> type:
                 dataset = base._prepare_dataset(
                     self, dataset, processing_class, args, False, formatting_func, name
                 )
-                keep = [c for c in ("input_ids", "labels") if c in dataset.column_names]
-                return dataset.select_columns(keep)
+                keep = [c for c in ("input_ids", "labels") if c in _datasets_columns(dataset)]
+                return dataset.select_columns(keep) if keep else dataset
             strategy = args.packing_strategy
             if strategy not in _SFT_STRATEGIES:
                 raise ValueError(
@@ -1189,21 +1325,29 @@ def _sft_class() -> type:
                     f"'wrapped' (TRL's), got {strategy!r}."
                 )
             strategy, overflow = _SFT_STRATEGIES[strategy]
-            if overflow != "truncate":  # TRL's unpacked path truncates to max_length: not here
+            streaming = isinstance(dataset, _datasets().IterableDataset)
+            if overflow != "truncate" or streaming:
+                # TRL's unpacked path truncates to max_length: not here. A stream is cut while
+                # it is packed, where the tokens cut off are counted (_StreamedRows).
                 args = copy.copy(args)
                 args.max_length = None
             # TRL's own preparation as for unpadded training: tokenize, labels, truncation.
             dataset = base._prepare_dataset(
                 self, dataset, processing_class, args, False, formatting_func, name
             )
+            if streaming:
+                # Every rank reads the whole stream; the rows are dealt to the ranks here (and
+                # only here: _flexpack_stream_loader keeps accelerate from sharding them again).
+                return _StreamedRows(
+                    dataset, max_len, strategy=strategy, overflow=overflow,
+                    truncation_mode=args.truncation_mode, buffer_size=self.flexpack_buffer_size,
+                    pad_id=self._tokenizer.pad_token_id or 0,
+                    rank=args.process_index, world_size=args.world_size,
+                )  # fmt: skip
             if not isinstance(dataset, _datasets().Dataset):
                 raise TypeError(
-                    f"flexpack's SFTTrainer packs a datasets.Dataset with one plan over all of "
-                    f"it; the {name} dataset is a {type(dataset).__name__} (streaming), which it "
-                    "does not pack on the fly yet. Materialize it (datasets.Dataset."
-                    "from_generator(lambda: iter(ds), features=ds.features)), or use "
-                    "trl.SFTTrainer; flexpack.data.PackedIterableDataset packs streams for a "
-                    "training loop of your own."
+                    f"flexpack's SFTTrainer packs a datasets.Dataset or datasets.IterableDataset; "
+                    f"the {name} dataset is a {type(dataset).__name__}."
                 )
             packed = pack_dataset(
                 dataset, max_len, labels_column="labels", strategy=strategy, overflow=overflow,
@@ -1215,6 +1359,47 @@ def _sft_class() -> type:
             base._set_signature_columns_if_needed(self)
             if "seqlens" not in self._signature_columns:  # the packed rows' document lengths
                 self._signature_columns = [*self._signature_columns, "seqlens"]
+
+        def get_train_dataloader(self) -> Any:
+            if isinstance(self.train_dataset, _StreamedRows):
+                return self._flexpack_stream_loader(self.train_dataset, self._train_batch_size)
+            return base.get_train_dataloader(self)
+
+        def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+            dataset = eval_dataset
+            if isinstance(dataset, str):
+                dataset = self.eval_dataset[dataset]
+            elif dataset is None:
+                dataset = self.eval_dataset
+            if isinstance(dataset, _StreamedRows):
+                return self._flexpack_stream_loader(dataset, self.args.eval_batch_size)
+            return base.get_eval_dataloader(self, eval_dataset)
+
+        def _flexpack_stream_loader(self, rows: _StreamedRows, batch_size: int) -> Any:
+            """A DataLoader over streamed rows, prepared by accelerate as for one process.
+
+            accelerate shards an IterableDataset across processes itself (IterableDatasetShard,
+            which completes the last batch with rows from the first: samples twice); the rows
+            are already this rank's (``_StreamedRows`` deals them), so it must not: the loader
+            gets accelerate's device placement and end-of-data signal, not its split."""
+            from accelerate.data_loader import prepare_data_loader
+
+            args, acc = self.args, self.accelerator
+            extra = {}
+            if args.dataloader_num_workers > 0:
+                extra["persistent_workers"] = args.dataloader_persistent_workers
+                if args.dataloader_prefetch_factor is not None:
+                    extra["prefetch_factor"] = args.dataloader_prefetch_factor
+            loader = torch.utils.data.DataLoader(
+                rows, batch_size=batch_size, collate_fn=_StreamCollator(self.data_collator),
+                num_workers=args.dataloader_num_workers, pin_memory=args.dataloader_pin_memory,
+                **extra,
+            )  # fmt: skip
+            return prepare_data_loader(
+                loader, acc.device, num_processes=1, process_index=0,
+                put_on_device=acc.device_placement, rng_types=None, dispatch_batches=False,
+                non_blocking=acc.non_blocking, use_stateful_dataloader=acc.use_stateful_dataloader,
+            )  # fmt: skip
 
         def train(self, *args: Any, **kwargs: Any) -> Any:
             """TRL's ``train`` with the model on flexpack attention, restored when it returns
@@ -1235,7 +1420,8 @@ def _sft_class() -> type:
             """TRL's ``compute_loss`` (its fused LM head over the packed rows), plus flexpack's
             counts; TRL's ``num_tokens`` counts the rows' real tokens, not their padding."""
             mode = "train" if self.model.training else "eval"
-            counted = self._flexpack_count(inputs, mode)
+            truncated = inputs.pop("flexpack_truncated", None)  # a streamed set's lost tokens
+            counted = self._flexpack_count(inputs, mode, truncated)
             before = self._total_train_tokens
             if self.flexpack_reduction == "document" and "doc_ids" in inputs:
                 weight, documents = _document_weights(inputs["labels"], inputs["doc_ids"])
@@ -1261,7 +1447,9 @@ def _sft_class() -> type:
                 total = self.accelerator.gather(total).sum()
             return total
 
-        def _flexpack_count(self, inputs: dict[str, Any], mode: str) -> int | None:
+        def _flexpack_count(
+            self, inputs: dict[str, Any], mode: str, truncated: Tensor | None = None
+        ) -> int | None:
             """Count the micro-batch into the stats and TRL's metrics; its real tokens."""
             doc_ids, pos = inputs.get("doc_ids"), inputs.get("position_ids")
             if not isinstance(doc_ids, Tensor) or not isinstance(pos, Tensor):
@@ -1270,10 +1458,11 @@ def _sft_class() -> type:
             real = doc_ids >= 0
             docs = (doc_ids.amax(1) + 1).clamp(min=0).sum()
             longest = torch.where(real, pos, 0).amax() + 1
+            lost = docs.new_tensor(0) if truncated is None else truncated.to(docs)
             local = torch.stack(
-                [docs.new_tensor(R), docs.new_tensor(R * S), docs, real.sum(), docs * longest]
+                [docs.new_tensor(R), docs.new_tensor(R * S), docs, real.sum(), docs * longest, lost]
             )
-            rows, slots, docs, tokens, padded = (
+            rows, slots, docs, tokens, padded, lost = (
                 self.accelerator.gather_for_metrics(local[None]).sum(0).tolist()
             )  # one host sync, as TRL's own metrics
             if mode == "train":
@@ -1281,11 +1470,14 @@ def _sft_class() -> type:
                 s.steps += 1
                 s.rows, s.documents, s.tokens = s.rows + rows, s.documents + docs, s.tokens + tokens
                 s.row_tokens, s.padded_tokens = s.row_tokens + slots, s.padded_tokens + padded
+                s.truncated += lost
             metrics = self._metrics[mode]
             metrics["flexpack/rows"].append(float(rows))
             metrics["flexpack/fill"].append(tokens / max(slots, 1))
             metrics["flexpack/tokens"].append(float(tokens))
             metrics["flexpack/padding_removed"].append(float(max(padded - slots, 0)))
+            if truncated is not None:
+                metrics["flexpack/truncated"].append(float(lost))
             return int(tokens)
 
     SFTTrainer.__module__ = __name__
@@ -1297,6 +1489,11 @@ def _datasets():
     import datasets
 
     return datasets
+
+
+def _datasets_columns(dataset: Any) -> list[str]:
+    """Column names of a ``datasets.Dataset`` or ``IterableDataset`` (None when unknown: [])."""
+    return list(getattr(dataset, "column_names", None) or [])
 
 
 @functools.cache
