@@ -217,3 +217,26 @@ def test_from_eos_mask_is_the_pretraining_doc_mask():
 def test_from_eos_rejects_a_non_int_eos(bad):
     with pytest.raises(TypeError, match="eos_id must be an int"):
         PackedLayout.from_eos(torch.tensor([[1, 2]]), eos_id=bad)
+
+
+# ------------------------------------------------------------------ float64 on CPU
+
+
+def test_auto_float64_without_grad_on_cpu_runs_off_flex():
+    # flex_attention on CPU has no float64 kernel: "auto" used to pick it for non-document masks
+    # under no_grad and crash in inductor; float64 (the dtype of references) must run on SDPA.
+    d = torch.tensor([[0, 0, 1, -1]])
+    m = masks.document(d) & masks.sliding_window(1)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 4, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    with torch.no_grad():
+        out = flexpack.attention(q, k, v, m)
+    torch.testing.assert_close(out, reference_attention(q, k, v, m))
+
+
+def test_flex_backend_float64_on_cpu_names_the_fix():
+    # Used to surface as a long inductor lowering dump from inside torch.compile.
+    q = torch.randn(1, 1, 4, 8, dtype=torch.float64)
+    m = masks.document(torch.tensor([[0, 0, 1, 1]]))
+    with torch.no_grad(), pytest.raises(ValueError, match="backend='auto' or 'sdpa'"):
+        flexpack.attention(q, q, q, m, backend="flex")

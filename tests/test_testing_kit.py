@@ -430,3 +430,16 @@ def test_seqlens_feed_packed_layout(rows):
     layout = PackedLayout.from_seqlens(rows, 40)
     assert layout.doc_ids.shape == (len(rows), 40)
     assert layout.seqlens.tolist() == [n for row in rows for n in row]
+
+
+def test_doc_ids_strategy_refuses_dtypes_that_would_wrap():
+    # The strategy wrote int64 ids and cast them: uint8 turned padding -1 into document 255 and
+    # int8 turned ids past 127 into negative ids (padding) even with allow_padding=False.
+    from flexpack.testing.strategies import doc_ids
+
+    with pytest.raises(ValueError, match="cannot hold -1"):
+        doc_ids(seq_len=6, dtype=torch.uint8).example()
+    with pytest.raises(ValueError, match="holds ids up to 127"):
+        doc_ids(seq_len=200, dtype=torch.int8, allow_padding=False).example()
+    d = doc_ids(seq_len=6, dtype=torch.uint8, allow_padding=False).example()
+    assert d.dtype == torch.uint8 and int(d.max()) < 6

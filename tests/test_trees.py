@@ -337,3 +337,16 @@ def test_softcap_per_segment_equals_dense_path():
     out = flexpack.attention(q, k, v, tree, softcap=2.0)
     assert tree._spans is not None  # the per-segment path ran
     torch.testing.assert_close(out, flexpack.attention(q, k, v, dense, softcap=2.0))
+
+
+def test_tree_mask_all_padding_still_has_a_backward():
+    # The per-segment SDPA path returned fresh zeros with no graph when every token is padding,
+    # so backward raised "does not require grad" (the per-document path keeps its graph).
+    seg = torch.full((2, 4), -1)
+    m = fm.tree(seg, torch.full((2, 1), -1))
+    q, k, v = (torch.randn(2, 2, 4, 8, requires_grad=True) for _ in range(3))
+    out = flexpack.attention(q, k, v, m)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for x in (q, k, v):
+        assert torch.equal(x.grad, torch.zeros_like(x))
