@@ -214,3 +214,66 @@ def test_only_the_eval_set_streams(tmp_path, tokenizer):
             assert got == collections.Counter(map(key, expected)), (eval_packing, stream)
     # unpacked: the same rows in the same order, streamed or not
     assert losses_by_kind[False, True] == pytest.approx(losses_by_kind[False, False], abs=1e-6)
+
+
+WORLD = 2
+
+
+def _ddp_worker(rank: int, port: int, out_dir: str, max_steps: int) -> None:
+    """One rank of a 2-process CPU (gloo) run of the trainer on a stream, as torchrun starts
+    it: accelerate reads the environment, Trainer wraps the model in DDP."""
+    import os
+    import pickle
+    from pathlib import Path
+
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    tokenizer = word_tokenizer()
+    stream = prompt_completion(40, seed=3).to_iterable_dataset(num_shards=2)
+    trainer = build(
+        Path(out_dir), tokenizer, stream, name="ddp", max_length=24, max_steps=max_steps
+    )
+    assert trainer.args.world_size == WORLD
+    recorder = Recorder(trainer.data_collator)
+    trainer.data_collator = recorder
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    with open(f"{out_dir}/rank{rank}.pkl", "wb") as f:
+        pickle.dump((recorder.steps, trainer.flexpack_stats), f)
+
+
+def test_two_processes_train_every_streamed_sample_once(tmp_path, tokenizer):
+    """Two real processes (gloo, DDP): the same number of steps on each rank, the epoch's
+    samples split between them with none twice or missing (accelerate does not shard the rows
+    again), the truncation counted once over the ranks."""
+    import pickle
+    import socket
+
+    import torch.multiprocessing as mp
+
+    data = prompt_completion(40, seed=3)
+    one = build(tmp_path, tokenizer, data.to_iterable_dataset(num_shards=2), max_length=24)
+    single = streamed(one.train_dataset)
+    lost = sum(r["truncated"] for r in one.train_dataset)
+    rows = len(list(one.train_dataset))
+    per_rank = -(-rows // WORLD)
+    steps = -(-per_rank // 2)  # per_device_train_batch_size=2: one epoch, then stop
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(
+        _ddp_worker, args=(port, str(tmp_path), steps), nprocs=WORLD, join=True,
+        start_method="spawn",
+    )  # fmt: skip
+    results = []
+    for r in range(WORLD):
+        with open(tmp_path / f"rank{r}.pkl", "rb") as f:
+            results.append(pickle.load(f))
+    assert [len(rec) for rec, _ in results] == [steps] * WORLD
+    got = [d for rec, _ in results for step in rec for d in streamed(step)]
+    assert collections.Counter(map(key, got)) == collections.Counter(map(key, single))
+    # PackStats' counts are gathered over the ranks (steps are each rank's own)
+    assert all(stats.truncated == lost and stats.steps == steps for _, stats in results)
