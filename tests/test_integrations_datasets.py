@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 datasets = pytest.importorskip("datasets")
 
@@ -127,3 +129,81 @@ def test_empty_input_keeps_the_columns():
             "position_ids",
             "num_tokens",
         ]
+
+
+def test_packed_dataset_refuses_padded_packed_rows_with_a_clear_error():
+    # pack_dataset(padded=True) rows given to PackedDataset failed with "tokenize it first"
+    # (their fixed-size lists), which sends the user the wrong way.
+    datasets = pytest.importorskip("datasets")
+    from flexpack.data import PackedDataset, collate
+    from flexpack.integrations.datasets import pack_dataset
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2, 3], [4, 5], [6]]})
+    padded = pack_dataset(ds, 4, padded=True)
+    with pytest.raises(ValueError, match="padded=False"):
+        PackedDataset(padded, 4)
+    assert (
+        collate(list(padded)).doc_ids.tolist()
+        == collate(list(pack_dataset(ds, 4)), max_len=4).doc_ids.tolist()
+    )
+
+
+def _docs_of(batch):
+    """(tokens, labels, positions) of every document of a PackedBatch, brute force per token."""
+    out = []
+    for r in range(batch.input_ids.shape[0]):
+        d = batch.doc_ids[r].tolist()
+        for doc in sorted({x for x in d if x >= 0}):
+            pos = [i for i, x in enumerate(d) if x == doc]
+            out.append(
+                (
+                    batch.input_ids[r, pos].tolist(),
+                    batch.labels[r, pos].tolist(),
+                    batch.position_ids[r, pos].tolist(),
+                )
+            )
+    return out
+
+
+@st.composite
+def _labelled_samples(draw):
+    max_len = draw(st.integers(2, 12))
+    n = draw(st.integers(1, 12))
+    ids = [
+        draw(st.lists(st.integers(0, 2**31 + 5), min_size=1, max_size=max_len)) for _ in range(n)
+    ]
+    labels = [[t if draw(st.booleans()) else -100 for t in x] for x in ids]
+    return max_len, ids, labels
+
+
+@settings(deadline=None)
+@given(_labelled_samples(), st.sampled_from(["none", "permute", "concat"]))
+def test_every_pack_dataset_path_agrees_with_the_samples(case, view):
+    """pack_dataset unpadded + collate, padded, PackedDataset over the source and over the
+    packed rows: the same batch, and every document is one source sample with its labels."""
+    datasets = pytest.importorskip("datasets")
+    from flexpack.data import PackedDataset, collate
+    from flexpack.integrations.datasets import pack_dataset
+
+    max_len, ids, labels = case
+    ds = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    if view == "permute":
+        ds = ds.select(list(range(len(ids)))[::-1])
+    elif view == "concat" and len(ids) > 1:
+        half = len(ids) // 2
+        ds = datasets.concatenate_datasets(
+            [ds.select(range(half)), ds.select(range(half, len(ids)))]
+        )
+    ref = collate(list(pack_dataset(ds, max_len, seed=None)), max_len=max_len)
+    packed = pack_dataset(ds, max_len, seed=None)
+    others = [
+        collate(list(pack_dataset(ds, max_len, seed=None, padded=True))),
+        collate(list(PackedDataset(ds, max_len, seed=None))),
+        collate(list(PackedDataset(packed, max_len))),
+    ]
+    for other in others:
+        for field in ("input_ids", "labels", "doc_ids", "position_ids"):
+            assert torch.equal(getattr(ref, field), getattr(other, field)), field
+    got = sorted((t, lab) for t, lab, pos in _docs_of(ref) if pos == list(range(len(t))))
+    want = sorted((x, [-100, *lab[1:]]) for x, lab in zip(ids, labels, strict=True))
+    assert got == want

@@ -535,3 +535,67 @@ def test_truncate_is_counted_in_stats():
         rows = rows_of(ds)
         assert sum(tokens_of(rows).values()) + ds.stats.truncated == 37
         assert (ds.stats.truncated, ds.stats.truncated_samples) == (2 + 17, 2)
+
+
+# ------------------------------------------------------- Hugging Face streams
+
+
+def _row_tuples(batches):
+    return sorted(
+        (tuple(b.input_ids[0].tolist()), tuple(b.labels[0].tolist()), tuple(b.doc_ids[0].tolist()))
+        for b in batches
+    )
+
+
+@pytest.mark.parametrize("sync_ranks", [False, True])
+@pytest.mark.parametrize("shards", [1, 3])
+def test_hf_iterable_dataset_with_dataloader_workers_keeps_every_token(sync_ranks, shards):
+    # A datasets.IterableDataset iterated inside a DataLoader worker yields only that worker's
+    # shards; flexpack then split the stream again, so about half the tokens were silently lost
+    # with num_workers=2 (and, with sync_ranks, workers planned different rows).
+    datasets = pytest.importorskip("datasets")
+    ids = [[i + 1] * (i % 3 + 1) for i in range(40)]
+    labels = [[-100, *x[1:]] for x in ids]
+    source = datasets.Dataset.from_dict({"input_ids": ids, "labels": labels})
+    stream = source.to_iterable_dataset(num_shards=shards)
+    kw = dict(buffer_size=4, sync_ranks=sync_ranks)
+    if sync_ranks:  # the rows of one process, dealt to the workers
+        expected = _row_tuples(PackedIterableDataset(stream, 8, world_size=1, rank=0, **kw))
+    else:  # worker w reads stream items w, w + 2, ...: as rank w of 2 with one worker
+        expected = _row_tuples(
+            b for r in (0, 1) for b in PackedIterableDataset(stream, 8, world_size=2, rank=r, **kw)
+        )
+    loader = torch.utils.data.DataLoader(
+        PackedIterableDataset(stream, 8, world_size=1, rank=0, **kw), batch_size=None, num_workers=2
+    )
+    got = _row_tuples(loader)
+    assert sum(sum(d >= 0 for d in r[2]) for r in got) == sum(map(len, ids))
+    assert got == expected
+
+
+def test_sync_ranks_hf_dataset_with_a_null_labels_row_matches_the_unsynced_stream():
+    # A sample whose labels are None is labelled by its tokens when streaming; with
+    # sync_ranks=True (the HF dataset read through Arrow) the null row became a garbage length
+    # cast and a "3 input_ids but 0 labels" error.
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict(
+        {"input_ids": [[1, 2, 3], [4, 5], [6, 7]], "labels": [None, [-100, 5], None]}
+    )
+    plain = _row_tuples(PackedIterableDataset(ds, 8, buffer_size=4))
+    synced = _row_tuples(PackedIterableDataset(ds, 8, buffer_size=4, sync_ranks=True, world_size=1))
+    assert synced == plain
+    assert plain[0][1] == (-100, 2, 3, -100, 5, -100, 7, -100)
+
+
+def test_stream_already_split_by_node_is_refused_when_flexpack_splits_again():
+    # split_dataset_by_node (HF's DDP recipe) + PackedIterableDataset's own rank split kept
+    # 1/world of each rank's share: half the data silently lost at world_size=2.
+    datasets = pytest.importorskip("datasets")
+    from datasets.distributed import split_dataset_by_node
+
+    source = datasets.Dataset.from_dict({"input_ids": [[i + 1] * 2 for i in range(10)]})
+    part = split_dataset_by_node(source.to_iterable_dataset(num_shards=2), rank=1, world_size=2)
+    with pytest.raises(ValueError, match="split_dataset_by_node"):
+        PackedIterableDataset(part, 4, rank=1, world_size=2)
+    rows = list(PackedIterableDataset(part, 4, rank=0, world_size=1))  # this rank's split as is
+    assert sum(int((r.doc_ids >= 0).sum()) for r in rows) == 10
