@@ -84,9 +84,7 @@ import signal
 import sys
 import sysconfig
 import tempfile
-import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +95,25 @@ import torch.nn.functional as F
 import flexpack
 from flexpack import masks
 
-# --------------------------------------------------------------------------- layouts, reference
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/: the harness beside this file
+try:
+    import _harness
+    from _harness import (
+        Checks,
+        Fd2Tee,
+        Log,
+        Tee,
+        empty_cache,
+        exception_chain,
+        linked_exceptions,
+        rel_err,
+        sdpa_backend,
+        summary,
+    )
+finally:  # bench/ holds litgpt.py, trees.py, ...: never left to shadow a package
+    del sys.path[0]
+
+# --------------------------------------------------------------------------- layouts
 
 
 def lognormal_doc_ids(S: int, *, median: float, sigma: float = 1.0, seed: int = 0) -> torch.Tensor:
@@ -122,35 +138,6 @@ def seqlens_of(doc_ids: torch.Tensor) -> list[int]:
         _, counts = torch.unique(row[row >= 0], return_counts=True)
         out += counts.tolist()
     return out
-
-
-def per_document_reference(q, k, v, doc_ids, *, causal=True):
-    """Each document alone in float64. q (B, Hq, S, D); k, v (B, Hkv, S, D); doc_ids (B, S)."""
-    B, Hq, _, D = q.shape
-    rep = Hq // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    rows = []
-    for b in range(B):
-        row = q[b].double() * 0
-        for d in doc_ids[b].unique().tolist():
-            if d < 0:
-                continue
-            idx = torch.nonzero(doc_ids[b] == d).squeeze(1)
-            qd, kd, vd = (x[b][:, idx].double() for x in (q, k, v))
-            s = qd @ kd.transpose(-1, -2) / math.sqrt(D)
-            if causal:
-                n = idx.numel()
-                tri = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-                s = s.masked_fill(tri, -math.inf)
-            row = row.index_copy(1, idx, s.softmax(-1) @ vd)
-        rows.append(row)
-    return torch.stack(rows)
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    """max |got - want| / max |want| (floored at 0.1; inputs are O(1))."""
-    got = got.detach().double()
-    return float((got - want.detach()).abs().max() / want.detach().abs().max().clamp(min=0.1))
 
 
 BF16_U = 2.0**-8  # bf16's unit roundoff: 8 significant bits, rounding to nearest
@@ -381,36 +368,13 @@ def preflight(device: torch.device, *, seconds: float = PREFLIGHT_S) -> Prefligh
 # --------------------------------------------------------------------------- correctness
 
 
-@dataclass
-class Checks:
-    lines: list[str] = field(default_factory=list)
-    failed: int = 0
+def _reference_causal(q, k, v) -> torch.Tensor:
+    """float64 causal attention (no documents), GQA by repetition."""
+    from flexpack.testing import references
 
-    def add(self, name: str, ok: bool, detail: str) -> None:
-        self.failed += not ok
-        line = f"  {'ok  ' if ok else 'FAIL'} {name}: {detail}"
-        self.lines.append(line)
-        print(line, flush=True)
-
-
-SDPA_OPS = (  # aten op -> SDPA backend, as the profiler records them
-    ("aten::_scaled_dot_product_cudnn_attention", "cuDNN"),
-    ("aten::_scaled_dot_product_flash_attention_for_cpu", "flash (CPU)"),
-    ("aten::_scaled_dot_product_flash_attention", "flash"),
-    ("aten::_scaled_dot_product_efficient_attention", "efficient"),
-    ("aten::_scaled_dot_product_attention_math", "math"),
-)
-
-
-def sdpa_backend(fn: Callable[[], object]) -> str:
-    """Which SDPA kernel ``fn`` runs, from the aten ops the profiler records (one call)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    names = {e.name for e in prof.events()}
-    found = [label for op, label in SDPA_OPS if op in names]
-    return "+".join(found) if found else "none seen"
+    S = q.shape[2]
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    return references.reference_attention(q, k, v, causal, enable_gqa=True)
 
 
 def _reference(q, k, v, mask) -> torch.Tensor:
@@ -545,86 +509,7 @@ def _stop_if_budget(err: BaseException) -> None:
 # --------------------------------------------------------------------------- failures, the log
 
 
-def linked_exceptions(err: BaseException) -> list[BaseException]:
-    """``err`` and every exception linked to it: ``__cause__``, ``__context__`` (suppressed or
-    not) and dynamo's ``inner_exception`` (``BackendCompilerFailed`` raises ``from None``, so the
-    compiler's own exception is reachable only there), each once, depth first."""
-    out: list[BaseException] = []
-    todo: list[BaseException] = [err]
-    while todo:
-        e = todo.pop()
-        if any(e is seen for seen in out):
-            continue
-        out.append(e)
-        for nxt in (getattr(e, "inner_exception", None), e.__context__, e.__cause__):
-            if isinstance(nxt, BaseException):
-                todo.append(nxt)
-    return out
-
-
-def exception_chain(err: BaseException) -> str:
-    """The whole chain of ``err`` as Python prints it (``traceback.format_exception``: causes
-    and contexts), then that of each ``inner_exception`` it did not print."""
-    parts: list[str] = []
-    printed: list[BaseException] = []
-
-    def shown(e: BaseException) -> list[BaseException]:  # what format_exception prints of e
-        out = []
-        while e is not None and not any(e is x for x in out):
-            out.append(e)
-            e = e.__cause__ or (None if e.__suppress_context__ else e.__context__)
-        return out
-
-    for e in linked_exceptions(err):
-        if any(e is x for x in printed):
-            continue
-        if parts:
-            parts.append(
-                "\n(linked but not printed above, e.g. dynamo's inner_exception, raised `from "
-                "None`:)\n"
-            )
-        parts.append("".join(traceback.format_exception(e)))
-        printed += shown(e)
-    return "".join(parts)
-
-
-def summary(err: BaseException) -> str:
-    """``Type: first line`` of ``err``, with the next line when the first only introduces it
-    (``BackendCompilerFailed: backend='inductor' raised:`` names the real error on line 2)."""
-    lines = [x.strip() for x in str(err).strip().splitlines() if x.strip()]
-    text = lines[0] if lines else ""
-    if text.endswith(":") and len(lines) > 1:
-        text += " " + lines[1]
-    return f"{type(err).__name__}: {text}"
-
-
-class _Log:
-    """The log file beside the report: stdout and file descriptor 2 go to it (their writers
-    share the lock), and every failure's exception chain (:func:`log_failure`)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.file = open(path, "w", encoding="utf-8", errors="replace")
-        self.lock = threading.Lock()
-
-    def write(self, text: str) -> None:
-        with self.lock:
-            if not self.file.closed:
-                self.file.write(text)
-                self.file.flush()
-
-    def close(self) -> None:
-        """Flush, fsync and close: what the machine sends back is what reached the disk."""
-        with self.lock:
-            if self.file.closed:
-                return
-            self.file.flush()
-            with contextlib.suppress(OSError):
-                os.fsync(self.file.fileno())
-            self.file.close()
-
-
-_LOG: _Log | None = None  # the log of the run in progress (main)
+_LOG: Log | None = None  # the log of the run in progress (main)
 
 
 def log_failure(what: str, err: BaseException) -> None:
@@ -639,64 +524,6 @@ def log_failure(what: str, err: BaseException) -> None:
         return
     _LOG.write(text)
     print(f"  (the exception chain of {what.strip()!r} is in {_LOG.path.name})", flush=True)
-
-
-class _Tee:
-    """stdout that is also written to the log."""
-
-    def __init__(self, stream, log: _Log) -> None:
-        self.stream, self.log = stream, log
-
-    def write(self, text: str) -> int:
-        self.log.write(text)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name: str):
-        return getattr(self.stream, name)
-
-
-class _Fd2Tee:
-    """File descriptor 2 copied into the log as well as to where it went: a pipe in its place and
-    a thread that forwards. What writes there without Python's sys.stderr (gcc called by triton,
-    torch's logging handlers made at import, ptxas) reaches the log this way only.
-
-    ``close()`` puts fd 2 back and waits a moment for the thread; a process that inherited the
-    pipe (an inductor compile worker) may keep it open, so the thread is a daemon that keeps
-    forwarding to the original fd 2 after the log is closed."""
-
-    def __init__(self, log: _Log) -> None:
-        self.log = log
-        sys.stderr.flush()
-        self.saved = os.dup(2)
-        self.read_fd, write_fd = os.pipe()
-        os.dup2(write_fd, 2)
-        os.close(write_fd)
-        self.thread = threading.Thread(target=self._forward, name="gpu.py fd 2 tee", daemon=True)
-        self.thread.start()
-
-    def _forward(self) -> None:
-        while True:
-            try:
-                data = os.read(self.read_fd, 65536)
-            except OSError:
-                return
-            if not data:
-                return
-            with contextlib.suppress(OSError):
-                os.write(self.saved, data)
-            self.log.write(data.decode("utf-8", errors="replace"))
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):
-            sys.stderr.flush()
-        os.dup2(self.saved, 2)  # our end of the pipe closes here: the thread reads to its end
-        self.thread.join(timeout=2.0)
-        if not self.thread.is_alive():
-            os.close(self.read_fd)
-            os.close(self.saved)
 
 
 # Rough costs on an H100/H200 with torch 2.11-2.13, for the budget and the compile estimate:
@@ -750,8 +577,8 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
     def inputs(Dh: int = D):
         return [torch.randn(B, h, S, Dh, generator=g) for h in (Hq, Hkv, Hkv)]
 
-    def per_doc(q, k, v):
-        return per_document_reference(q, k, v, doc_ids_cpu())
+    def per_doc(q, k, v):  # each document alone, causal
+        return _reference(q, k, v, masks.document(doc_ids_cpu()) & masks.causal())
 
     def check(name, base, run, want_fn, dtype, grad, pad=None, tol_fn=None):
         """One path: run(q, k, v) against want_fn(q, k, v) in float64 on the rounded inputs.
@@ -792,7 +619,7 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             log_failure(name, err)
             checks.add(name, False, summary(err)[:240])
         finally:
-            _empty_cache(device)
+            empty_cache(device)
 
     plan: list[Check] = []
 
@@ -950,7 +777,7 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
             log_failure("flex recompiles", err)
             checks.add("flex recompiles", False, summary(err)[:240])
         finally:
-            _empty_cache(device)
+            empty_cache(device)
 
     plan += [
         Check("flex   sliding window", window("flex"), compiles=1, flex=True),
@@ -1023,98 +850,16 @@ def correctness(
     return checks
 
 
-def _empty_cache(device: torch.device) -> None:
-    """Give the allocator's cached blocks back between steps (inside the guarded region: a
-    failure here is reported like any other)."""
-    if device.type == "cuda":
-        try:
-            torch.cuda.empty_cache()
-        except Exception as err:  # a broken context: the next step will say so
-            print(f"  (empty_cache failed: {type(err).__name__}: {err})", flush=True)
-
-
-def _reference_causal(q, k, v):
-    """float64 causal attention, GQA by repetition."""
-    rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 # --------------------------------------------------------------------------- speed
 
 
 DENSE_MAX_S = 32768  # SDPA with a dense mask above this: see the module docstring
 
 
-@dataclass
-class Timing:
-    """What the timer measured of one function: mean seconds per call over ``reps`` timed calls,
-    and the seconds of its first call (a compile's measurement, where it compiles)."""
-
-    mean: float
-    reps: int
-    first: float
-
-
 def make_timer(device: torch.device, *, min_reps: int, budget_s: float):
-    def timer(*fns: Callable[[], object]) -> list[Timing | Exception]:
-        """Time ``fns`` interleaved: call 1 of each, then call 2 of each, ..., so that what
-        drifts during a phase (clocks, temperature, a neighbour) weighs on each alike. Each gets
-        2 warm-up calls (the first compiles: its time is the compile's measurement), then at
-        least ``min_reps`` timed calls, more while they fit in ``budget_s`` per function. One
-        that fails in its warm-up gets its exception in its place and is left out of the loop
-        (the budget's stop propagates)."""
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda *a: None)
-        firsts: list[float | Exception] = []
-        for fn in fns:
-            try:
-                t0 = time.perf_counter()
-                fn()
-                sync(device)
-                firsts.append(time.perf_counter() - t0)
-            except Exception as err:
-                _stop_if_budget(err)
-                firsts.append(err)
-        live = [i for i, f in enumerate(firsts) if not isinstance(f, Exception)]
-        one = 0.0
-        for i in live:
-            fns[i]()
-            sync(device)
-            t0 = time.perf_counter()
-            fns[i]()
-            sync(device)
-            one += time.perf_counter() - t0
-        reps = max(min_reps, min(100, int(budget_s * max(len(live), 1) / max(one, 1e-6))))
-        total = dict.fromkeys(live, 0.0)
-        if device.type == "cuda" and live:
-            events = {
-                i: [
-                    (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                    for _ in range(reps)
-                ]
-                for i in live
-            }
-            for r in range(reps):
-                for i in live:
-                    start, end = events[i][r]
-                    start.record()
-                    fns[i]()
-                    end.record()
-            torch.cuda.synchronize(device)
-            for i in live:
-                total[i] = sum(start.elapsed_time(end) for start, end in events[i]) / 1e3
-        else:
-            for _ in range(reps):
-                for i in live:
-                    t0 = time.perf_counter()
-                    fns[i]()
-                    total[i] += time.perf_counter() - t0
-        return [
-            f if isinstance(f, Exception) else Timing(total[i] / reps, reps, f)
-            for i, f in enumerate(firsts)
-        ]
-
-    return timer
+    """The harness's interleaved timer (:func:`_harness.make_timer`); the budget's stop in a
+    warm-up call ends the run, any other failure is kept in its function's place."""
+    return _harness.make_timer(device, min_reps=min_reps, budget_s=budget_s, stop=_stop_if_budget)
 
 
 @dataclass
@@ -1293,7 +1038,7 @@ def speed(
             r = row(method, note=f"setup {_failure(err)}")
             results.append(r)
             on_result(r)
-        _empty_cache(device)
+        empty_cache(device)
         return results, flops_fwd
     timer = make_timer(device, min_reps=2 if dry_run else 5, budget_s=0.05 if dry_run else 1.0)
 
@@ -1343,7 +1088,7 @@ def speed(
             for c in live:
                 failed.setdefault(c.method, err)
         finally:
-            _empty_cache(device)
+            empty_cache(device)
         stop = None
         for c in calls:
             r = rows[c.method]
@@ -1431,7 +1176,7 @@ def speed(
         group = [method] + [m for m in (together.get(method),) if m in methods]
         done.update(group)
         run(*(calls[m]() for m in group))
-        _empty_cache(device)  # (a dense mask is freed here)
+        empty_cache(device)  # (a dense mask is freed here)
     return results, flops_fwd
 
 
@@ -1488,7 +1233,7 @@ def hybrid_rows(
             continue
         for r in _hybrid_kind(kind, device, S, docs, tree, timer, dry_run=tiny):
             on_result(r)
-        _empty_cache(device)
+        empty_cache(device)
 
 
 def _hybrid_kind(kind, device, S, docs, tree, timer, *, dry_run: bool) -> list[Result]:
@@ -1848,9 +1593,9 @@ def main(argv: list[str] | None = None, *, hard_exit: bool = False) -> int:
     stdout, fd2 = sys.stdout, None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _LOG = _Log(out.with_suffix(".log"))
-        sys.stdout = _Tee(stdout, _LOG)
-        fd2 = _Fd2Tee(_LOG)
+        _LOG = Log(out.with_suffix(".log"))
+        sys.stdout = Tee(stdout, _LOG)
+        fd2 = Fd2Tee(_LOG)
     except OSError as err:
         print(f"  (no log beside {out}, or not all of it: {err})", flush=True)
     status = 1
