@@ -277,3 +277,21 @@ def test_two_processes_train_every_streamed_sample_once(tmp_path, tokenizer):
     assert collections.Counter(map(key, got)) == collections.Counter(map(key, single))
     # PackStats' counts are gathered over the ranks (steps are each rank's own)
     assert all(stats.truncated == lost and stats.steps == steps for _, stats in results)
+
+
+@pytest.mark.parametrize("kind", ["dataset", "iterable", "dict", "iterable_dict"])
+def test_evaluate_given_any_dataset_kind_packs_it_once(tmp_path, tokenizer, kind):
+    """evaluate(eval_dataset=...) with a raw set, a stream, or dicts of them (as TRL's own
+    test_evaluate_with_eval_dataset): the same eval_loss for each. TRL prepares what evaluate
+    is handed and Trainer evaluates a dict by calling evaluate on each prepared set; packing
+    those rows again made each row one sample (its documents attending to each other)."""
+    held_out = prompt_completion(12, seed=5)
+    split = held_out.to_iterable_dataset(num_shards=2) if "iterable" in kind else held_out
+    given = {"a": split, "b": split} if "dict" in kind else split
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = build(tmp_path, tokenizer, prompt_completion(16))
+        want = trainer.evaluate(eval_dataset=held_out)["eval_loss"]
+        out = trainer.evaluate(eval_dataset=given)
+    got = [out["eval_a_loss"], out["eval_b_loss"]] if "dict" in kind else [out["eval_loss"]]
+    assert got == pytest.approx([want] * len(got), abs=1e-6)

@@ -1309,6 +1309,13 @@ def _sft_class() -> type:
             from flexpack.integrations.datasets import pack_dataset
 
             max_len = self._flexpack_max_len(args)
+            if isinstance(dataset, _StreamedRows) or {"seq_lengths", "seqlens"} & set(
+                _datasets_columns(dataset)
+            ):
+                # Packed already: TRL's evaluate prepares a dataset it is handed, and Trainer's
+                # evaluate of a dict calls evaluate again on each prepared one. Packing rows
+                # again would make each row one sample, its documents attending to each other.
+                return dataset
             is_train = not self._flexpack_prepared_train  # TRL's __init__ prepares it first
             self._flexpack_prepared_train = True
             if not is_train and args.eval_packing is False:
