@@ -164,10 +164,7 @@ def _gated_delta_chunks(
     into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
     ut = (k_beta @ key.transpose(-1, -2)) * pairwise
     intra = (query @ key.transpose(-1, -2)) * pairwise
-    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(
-        ut, k_beta * into[..., None], upper=False, unitriangular=True
-    )
+    new_values, k_cumdecay = _solve_unit_lower(ut, v_beta, k_beta * into[..., None])
     query = query * into[..., None]
     # what reaches the chunk's end: tokens of its last segment, decayed to the end
     tail = seg == seg[..., -1:]
@@ -175,6 +172,44 @@ def _gated_delta_chunks(
     chunk_decay = into[..., -1, None, None]  # (B, H, N, 1, 1)
     out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, layout)[:, :, :S]
     return out.transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+
+
+def _unit_lower_inverse(t: Tensor) -> Tensor:
+    """(..., C, C) -> the inverse of the unit lower triangular matrix with ``t``'s strictly
+    lower part (its diagonal and upper part are not read); C a power of two.
+
+    Diagonal blocks doubled log2(C) times, each step ``[[A, 0], [L, D]]^-1 = [[A^-1, 0],
+    [-D^-1 L A^-1, D^-1]]`` in batched matmuls: forward substitution by blocks, as stable. Not
+    ``torch.linalg.solve_triangular``, which on CPU solves the batch one small matrix at a time
+    (one LAPACK call each, per chunk and head): slower alone, and seconds where other work
+    contends for the cores.
+    """
+    C = t.shape[-1]
+    lead = t.shape[:-2]
+    blocks = t.new_ones(*lead, C, 1, 1)  # (..., C // s, s, s): the inverted diagonal blocks
+    s = 1
+    while s < C:
+        n = C // (2 * s)
+        pairs = torch.diagonal(t.reshape(*lead, n, 2 * s, n, 2 * s), dim1=-4, dim2=-2)
+        low = pairs.movedim(-1, -3)[..., s:, :s]  # (..., n, s, s): the blocks below the diagonal
+        a, d = blocks.reshape(*lead, n, 2, s, s).unbind(-3)
+        blocks = torch.cat(
+            [torch.cat([a, torch.zeros_like(a)], -1), torch.cat([-(d @ low @ a), d], -1)], -2
+        )  # (..., n, 2s, 2s)
+        s *= 2
+    return blocks.reshape(*lead, C, C)
+
+
+def _solve_unit_lower(ut: Tensor, *rhs: Tensor) -> tuple[Tensor, ...]:
+    """(I + strictly lower part of ``ut``)^-1 @ each of ``rhs`` (..., C, D_i), in one matmul."""
+    C = ut.shape[-1]
+    if C & (C - 1):  # not a power of two: the LAPACK solve
+        solved = torch.linalg.solve_triangular(
+            ut, torch.cat(rhs, dim=-1), upper=False, unitriangular=True
+        )
+    else:
+        solved = _unit_lower_inverse(ut) @ torch.cat(rhs, dim=-1)
+    return solved.split([r.shape[-1] for r in rhs], dim=-1)
 
 
 def _scan_chunks(
@@ -325,6 +360,7 @@ GATED_DELTA_RULE = Room(
 )
 
 KDA_CHUNK = 64  # transformers' chunk_kimi_delta_attention's default
+KDA_SUB = 8  # sub-chunk whose pairs build their per-channel decays (:func:`_kda_pairs`)
 # document ids of KDA's self-check: its chunks are 64 tokens, so documents that cross a chunk
 # cut, one that starts mid-chunk, one of one token, padding and a padding-only row
 KDA_PROBE = [
@@ -352,7 +388,7 @@ def segment_chunk_kda(
     """Kimi delta attention over rows of several documents, each from a zero state.
 
     transformers' ``chunk_kimi_delta_attention`` (the gated delta rule with a decay per key
-    channel: the chunked UT transform over (C, C, Dk) pairwise decays, in fp32, or float64 for
+    channel: the chunked UT transform with per-channel pairwise decays, in fp32, or float64 for
     float64 inputs), with the documents kept apart as in :func:`segment_chunk_gated_delta_rule`:
     inside a chunk the decay between two tokens of different segments is zero, the cumulative
     decays are summed per segment, and the state carried into a chunk reaches only the segment
@@ -442,25 +478,17 @@ def _chunk_kda(
     same = (seg[..., :, None] == seg[..., None, :]) & lower  # (B, 1, N, C, C): j <= i, one doc
     # cumulative decay per channel from the chunk's start (or the segment's) to each token
     cum = same.to(compute) @ g  # (B, H, N, C, Dk)
-    # decay from token j to token i per channel; zero across documents and above the diagonal
-    pairwise = (
-        (cum[..., :, None, :] - cum[..., None, :, :])
-        .masked_fill(~same[..., None], float("-inf"))
-        .exp()
-    )  # (B, H, N, C, C, Dk)
-    decayed_keys = (key[..., None, :, :] * pairwise).transpose(-1, -2)  # (B, H, N, C, Dk, C)
-    # both products with the decayed keys in one batched matmul per token: row i of the UT
-    # system (k_beta) and of the intra-chunk attention (query)
-    both = torch.stack([k_beta, query], dim=-2) @ decayed_keys  # (B, H, N, C, 2, C)
-    ut, intra = both.unbind(-2)  # (B, H, N, C, C)
+    # row i of the UT system (k_beta) and of the intra-chunk attention (query) against every
+    # key j, decayed from j to i per channel; zero across documents and above the diagonal
+    pairs = _kda_pairs(torch.stack([k_beta, query], dim=-3), key, cum)  # (B, H, N, 2, C, C)
+    ut, intra = (pairs * same[:, :, :, None]).unbind(3)
     # the segment that continues the previous chunk (none in the first chunk)
     before = torch.cat([seg[..., :1, :1].new_full((B, 1, 1, 1), -1), seg[..., :-1, -1:]], dim=2)
     carry = (seg == before)[..., None]  # (B, 1, N, C, 1)
     if layout is not None:  # one segment per chunk: it reads a state where it has a source
         carry = layout.entered[:, None, :, None, None].expand(B, 1, N, C, 1)
     into = cum.exp() * carry  # decay of the carried state at each token; 0 past a new start
-    new_values = torch.linalg.solve_triangular(ut, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut, k_beta * into, upper=False, unitriangular=True)
+    new_values, k_cumdecay = _solve_unit_lower(ut, v_beta, k_beta * into)
     query = query * into
     # what reaches the chunk's end: tokens of its last segment, decayed to the end per channel
     tail = (seg == seg[..., -1:])[..., None]
@@ -468,6 +496,41 @@ def _chunk_kda(
     chunk_decay = into[..., -1, :, None]  # (B, H, N, Dk, 1)
     out = _scan_chunks(query, key, intra, new_values, k_cumdecay, chunk_decay, layout)[:, :, :S]
     return out.transpose(1, 2).contiguous()
+
+
+def _kda_pairs(rows: Tensor, key: Tensor, cum: Tensor) -> Tensor:
+    """sum over channels d of rows[i, d] * key[j, d] * exp(cum[i, d] - cum[j, d]) for every
+    pair of a chunk: (B, H, N, R, C, Dk) rows, (B, H, N, C, Dk) keys and cumulative log decays
+    -> (B, H, N, R, C, C), meaningful where j <= i in one segment (the caller masks the rest).
+
+    Not one (C, C, Dk) tensor of pairwise decays per chunk (memory-bound: half a GiB per
+    tensor, several kept for backward, at 4 rows of 2048 tokens and 4 heads of 64 channels).
+    Pairs in different sub-chunks of KDA_SUB tokens take the decay split at the later
+    sub-chunk's start r, exp(cum_i - r) * exp(r - cum_j): two factors at most 1 for a pair of
+    one segment (log decays <= 0), clamped at 1 for the others, which the mask drops, so that
+    nothing overflows; one matmul. Only pairs inside one sub-chunk build their (c, c, Dk)
+    decays (fla's sub-chunked KDA does the same).
+    """
+    B, H, N, C, Dk = key.shape
+    R = rows.shape[3]
+    c = KDA_SUB if C % KDA_SUB == 0 else C
+    M = C // c
+    # the cumulative decay just before each sub-chunk: (B, H, N, M, 1, Dk)
+    ref = torch.cat([torch.zeros_like(cum[..., :1, :]), cum[..., c - 1 : C - 1 : c, :]], dim=-2)
+    ref = ref.reshape(B, H, N, M, 1, Dk)
+    cum_sub = cum.reshape(B, H, N, M, c, Dk)
+    left = rows.reshape(B, H, N, R, M, c, Dk) * (cum_sub - ref).clamp(max=0).exp()[:, :, :, None]
+    right = key[..., None, :, :] * (ref - cum[..., None, :, :]).clamp(max=0).exp()  # (B,H,N,M,C,Dk)
+    out = left @ right[:, :, :, None].transpose(-1, -2)  # (B, H, N, R, M, c, C)
+    # pairs inside one sub-chunk: their decays exactly (a pair across the sub-chunk's
+    # segments, or above the diagonal, is masked by the caller: clamp what would overflow)
+    inside = (cum_sub[..., :, None, :] - cum_sub[..., None, :, :]).clamp(max=0).exp()
+    k_sub = key.reshape(B, H, N, M, 1, c, Dk) * inside  # (B, H, N, M, c, c, Dk)
+    diag = (rows.reshape(B, H, N, R, M, c, 1, Dk) * k_sub[:, :, :, None]).sum(-1)
+    out = out.reshape(B, H, N, R, M, c, M, c)
+    eye = torch.eye(M, dtype=torch.bool, device=key.device)[:, None, :, None]  # (M, 1, M, 1)
+    out = torch.where(eye, diag[..., None, :].expand_as(out), out)
+    return out.reshape(B, H, N, R, C, C)
 
 
 _KDA_PARTS = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "o_norm", "o_proj")
