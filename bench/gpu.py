@@ -563,8 +563,15 @@ def correctness_plan(device: torch.device, *, S: int, dry_run: bool, checks: Che
         if "ids" not in cpu_ids:
             row0 = lognormal_doc_ids(S, median=S / 6, seed=1)
             row0[-(S // 10) :] = -1  # padding at the end, as the packer emits
-            row1 = torch.randint(0, 3, (S,), generator=g, dtype=torch.int32)  # repeated ids
+            row1 = torch.randint(0, 3, (S,), generator=g, dtype=torch.int32)
             row1[S // 3 : S // 3 + 5] = -1
+            # many short documents with unsorted ids, one run each (an id in two runs of a row
+            # is refused everywhere: tests/test_split_runs.py)
+            starts = torch.ones(S, dtype=torch.bool)
+            starts[1:] = row1[1:] != row1[:-1]
+            runs = starts.cumsum(0) - 1
+            ids = torch.randperm(int(runs[-1]) + 1, generator=g).to(torch.int32)[runs]
+            row1 = torch.where(row1 >= 0, ids, -1)
             cpu_ids["ids"] = torch.stack([row0, row1])
         return cpu_ids["ids"]
 

@@ -87,11 +87,12 @@ def check_against(reference, q, k, v, mask, *, enable_gqa=False, backend="auto",
     return out
 
 
-# Two rows: packer layout with padding at the end; arbitrary repeated ids, padding in the middle.
+# Two rows: packer layout with padding at the end; arbitrary unsorted ids (each one run of its
+# row: an id in two runs is refused, tests/test_split_runs.py), padding in the middle.
 DOC_IDS = torch.tensor(
     [
         [0] * 9 + [1] * 17 + [2] * 1 + [3] * 5 + [-1] * 5,
-        [7] * 3 + [2] * 6 + [7] * 10 + [-1] * 2 + [2] * 15 + [-3] * 1,
+        [7] * 3 + [2] * 6 + [5] * 10 + [-1] * 2 + [9] * 15 + [-3] * 1,
     ],
     dtype=torch.int32,
 )
@@ -124,11 +125,11 @@ def test_block_mask_from_flexpack_takes_the_per_document_path(dtype):
     ("doc_ids", "strategy"),
     [
         (DOC_IDS[:1], "split"),  # the packer's layout: one SDPA call per document, on views
-        (DOC_IDS, "gather"),  # row 1 repeats ids in separate runs: gather by document
+        (DOC_IDS, "split"),  # row 1: unsorted ids, padding between documents: still runs
         # many short documents of few lengths: batched per length
         (torch.arange(60).repeat_interleave(torch.tensor([1, 2, 3] * 20))[None], "gather"),
     ],
-    ids=["packer", "repeated_ids", "many_short"],
+    ids=["packer", "unsorted_ids", "many_short"],
 )
 def test_both_per_document_strategies(doc_ids, strategy):
     from flexpack._attention_sdpa import _sdpa_plan
@@ -203,17 +204,17 @@ def test_masked_per_document_path_equals_per_document_path_on_the_same_mask(dtyp
     "doc_ids",
     [
         DOC_IDS[:1],  # split: one call per document, on views
-        DOC_IDS,  # gather: row 1 cuts documents 7 and 2 into runs (row positions matter)
+        DOC_IDS,  # unsorted ids, padding between documents (row positions matter)
         torch.arange(60).repeat_interleave(torch.tensor([1, 2, 3] * 20))[None],  # batched
     ],
-    ids=["packer", "repeated_ids", "many_short"],
+    ids=["packer", "unsorted_ids", "many_short"],
 )
 def test_masked_per_document_path_matches_dense_reference(doc_ids):
     # Gemma 3's shape of mask: documents & (causal | same span) & a window, plus a user's own
     # mask_mod that reads row positions; each block's mask is evaluated at its row positions.
     B, S = doc_ids.shape
-    spans = (torch.arange(S) // 4 % 3 - 1).expand(B, S).contiguous()  # -1: text, else a span
-    spans = torch.where(spans >= 0, spans + 10 * doc_ids.clamp(min=0), -1)
+    block = torch.arange(S) // 4  # an image span of 4 tokens, one run each, after text
+    spans = torch.where(block % 3 == 0, -1, block).expand(B, S).contiguous()  # -1: text
     image = masks.document(doc_ids) & (masks.causal() | masks.document(spans))
     made = [
         image,
