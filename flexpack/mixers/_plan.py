@@ -101,7 +101,9 @@ class DocumentPlan:
         single = n_docs == B and bool(real.all()) and len(starts) == B
         groups = []
         if not single:
-            docs = [(int(s), int(n)) for s, n, r in zip(starts, lengths, real, strict=True) if r]
+            # host lists, not a 0-d tensor per document: a Python step each either way
+            docs = [(s, n) for s, n, r in zip(starts.tolist(), lengths.tolist(), real.tolist(),
+                                                strict=True) if r]  # fmt: skip
             docs.sort(key=lambda d: -d[1])
             i = 0
             while i < len(docs):
