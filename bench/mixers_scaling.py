@@ -41,7 +41,8 @@ from mixers import FAMILIES, _model
 from flexpack.mixers._plan import DocumentPlan
 
 SKIP = ("cca_projection",)  # ZAYA's CCA has no one pass (per-group calls only)
-SLOW_OWN = ("RWKV",)  # own forward token by token: quick sizes only
+# own forward token by token in Python (minutes a step at 2K tokens): own at L = 128 only
+SLOW_OWN = ("RWKV", "mamba (")
 
 
 def _mixer(model):
@@ -111,7 +112,7 @@ def _kind(kind: str, total: int, lengths: list[int], repeats: int) -> None:
             return run
 
         own_s = None
-        if not any(s in kind for s in SLOW_OWN) or L * n <= 2048:
+        if not any(s in kind for s in SLOW_OWN) or L <= 128:
             own_s = _timed(step(module.forward, x, w), repeats)
         row_s = _timed(step(functools.partial(one, plan=alone), x, w), repeats)
         flat = (1, n * L, hidden)
