@@ -13,8 +13,8 @@ weighted sum) on the same tokens at every document length L:
 
 The tokens are the same in every column and at every L, so a kind linear in tokens shows flat
 times down each column, and packing costs nothing where ``packed / own`` stays near 1 (above
-1: the packed row costs more than its documents alone). RWKV's own forward steps token by
-token in Python (its CPU path): it runs at the quick sizes only.
+1: the packed row costs more than its documents alone). RWKV's and Mamba's (Jamba, Zamba)
+own forwards step token by token in Python on CPU: theirs runs at L = 128 only.
 
 Run: ``PYTHONPATH=$PWD python bench/mixers_scaling.py`` (R = 8192, L = 128 to 8192; tens of
 minutes on a quiet 2-core CPU), ``--quick`` (R = 2048, L = 128, 512, 2048; a few minutes),
