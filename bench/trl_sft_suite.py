@@ -1,21 +1,28 @@
 """TRL's own SFT tests, run against trl.SFTTrainer and against flexpack's drop-in.
 
-Copies TRL's ``tests/test_sft_trainer.py`` (with its ``testing_utils.py``, ``testing_constants.py``
-and ``conftest.py``) from a TRL git repository at ``--rev`` into a temporary directory and runs it
-with pytest twice: as it is, then with ``trl.SFTTrainer`` and ``trl.trainer.sft_trainer.SFTTrainer``
-replaced by ``flexpack.integrations.trl.SFTTrainer`` (a ``conftest.py`` in the temporary directory
-sets both before the test module imports them; nothing outside that run is touched). Prints
-passed / failed / skipped for both runs and the tests that fail only with flexpack.
+Copies TRL's ``tests/test_sft_trainer.py`` (with its ``testing_utils.py``, ``testing_constants.py``,
+``conftest.py`` and ``data/``) from a TRL git repository at ``--rev`` into a temporary directory
+and runs it with pytest twice: as it is, then with ``trl.SFTTrainer`` and
+``trl.trainer.sft_trainer.SFTTrainer`` replaced by ``flexpack.integrations.trl.SFTTrainer`` (a
+``conftest.py`` in the temporary directory sets both before the test module imports them; nothing
+outside that run is touched). Prints passed / failed / skipped for both runs, the tests that fail
+only with flexpack and those that fail only with TRL.
 
-TRL's file is read from TRL's repository, never copied into flexpack. Names the file imports from
-``trl.trainer.sft_trainer`` that the installed TRL no longer has (the file is from another
-release) become stubs that raise: the tests that use them fail on both sides ("API drift"). Hub
-models and datasets (``trl-internal-testing/...``) are read offline (``HF_HUB_OFFLINE=1``): where
-they are not cached, the test fails on both sides ("no network").
+Offline, the Hub repositories the tests load get local stand-ins (``bench/_trl_hub.py``): TRL's
+own dataset generator scripts at the same commit write ``trl-internal-testing/zen`` and its
+siblings as parquet, and each ``trl-internal-testing/tiny-<Class>`` model becomes a random tiny
+model of that class with a byte-level tokenizer and the family's chat template, written into a
+Hub cache the run reads with ``HF_HUB_OFFLINE=1``. Families without a stand-in (the
+vision-language models) fail on both sides ("no stand-in").
 
-    python bench/trl_sft_suite.py --trl-git /path/to/trl/.git --rev v1.16.0 [-k EXPR]
+TRL's files are read from TRL's repository, never copied into flexpack. Names the file imports
+from ``trl.trainer.sft_trainer`` that the installed TRL no longer has (the file is from another
+release) become stubs that raise: the tests that use them fail on both sides ("API drift").
 
-Speed is not measured here; the run takes minutes (two pytest sessions of ~260 tests).
+    python bench/trl_sft_suite.py --trl-git /path/to/trl/.git --rev f2cd57710ae3 [-k EXPR]
+
+Speed is not measured here; the run takes tens of minutes on 2 cores (two pytest sessions of
+~260 tests, about 90 of them training a tiny model on the CPU).
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ import sys
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
+
+import _trl_hub  # bench/ is on sys.path when run as a script
 
 FILES = ("__init__.py", "conftest.py", "testing_utils.py", "testing_constants.py")
 TEST = "test_sft_trainer.py"
@@ -59,6 +68,18 @@ for _file in (Path(__file__).parent / "tests").glob("*.py"):
             setattr(_mod, _name, _stub)
 """
 
+# pytest-datadir's fixture, which the one test that reads tests/data asks for.
+DATADIR = """
+import pathlib as _pathlib
+
+import pytest as _pytest
+
+
+@_pytest.fixture
+def lazy_shared_datadir():
+    return _pathlib.Path(__file__).parent / "tests" / "data"
+"""
+
 # The flexpack run: TRL's names point at the drop-in before the test module imports them.
 SWAP = """
 import trl
@@ -87,20 +108,34 @@ def copy_tests(git_dir: str, rev: str, into: Path) -> str:
         ["git", "--git-dir", git_dir, "rev-parse", f"{rev}^{{commit}}"],
         capture_output=True, text=True, check=True,
     ).stdout.strip()  # fmt: skip
-    for name in (*FILES, TEST):
+    data = subprocess.run(
+        ["git", "--git-dir", git_dir, "ls-tree", "-r", "--name-only", commit, "tests/data/"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    for name in (*FILES, TEST, *(d.removeprefix("tests/") for d in data)):
         text = subprocess.run(
             ["git", "--git-dir", git_dir, "show", f"{commit}:tests/{name}"],
             capture_output=True, text=True, check=True,
         ).stdout  # fmt: skip
+        (tests / name).parent.mkdir(parents=True, exist_ok=True)
         (tests / name).write_text(text)
     return commit
 
 
 def run(root: Path, flexpack: bool, extra: list[str]) -> dict[str, tuple[str, str]]:
     """Run the copied file under pytest; test id -> (outcome, message)."""
-    (root / "conftest.py").write_text(SHIM + (SWAP if flexpack else ""))
+    standins = _trl_hub.LOAD_DATASET.format(root=str(root))
+    (root / "conftest.py").write_text(SHIM + DATADIR + standins + (SWAP if flexpack else ""))
     report = root / ("flexpack.xml" if flexpack else "trl.xml")
-    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_CACHE=str(root / "hub"),
+        HF_DATASETS_CACHE=str(root / "datasets_cache"),
+        HF_MODULES_CACHE=str(root / "modules"),  # tiny-RemoteForCausalLM's code
+    )
     cmd = [
         sys.executable, "-m", "pytest", "tests/" + TEST, "-q", "-p", "no:xdist",
         "-p", "no:cacheprovider", "-p", "no:randomly", f"--junitxml={report}",
@@ -124,7 +159,12 @@ def run(root: Path, flexpack: bool, extra: list[str]) -> dict[str, tuple[str, st
     return out
 
 
+MISSING: dict[str, str] = {}  # repo id -> why it has no stand-in (filled by main)
+
+
 def kind(message: str) -> str:
+    if any(repo_id in message for repo_id in MISSING):
+        return "no stand-in"
     if "API drift" in message:
         return "API drift"
     if re.search(r"fixture '\w+' not found", message):
@@ -153,11 +193,15 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="trl_sft_suite_"))
     commit = copy_tests(args.trl_git, args.rev, root)
+    source = (root / "tests" / TEST).read_text()
+    MISSING.update(_trl_hub.build(args.trl_git, commit, source, root))
     print(
         f"TRL tests at {args.rev} ({commit[:12]}); installed trl {trl.__version__}, "
         f"transformers {transformers.__version__}, torch {torch.__version__}, "
         f"flexpack {getattr(flexpack, '__version__', '?')}; in {root}"
     )
+    for repo_id, why in sorted(MISSING.items()):
+        print(f"no stand-in: {repo_id}: {why}")
     ours, theirs = run(root, True, extra), run(root, False, extra)
     for label, res in (("trl.SFTTrainer", theirs), ("flexpack SFTTrainer", ours)):
         c = collections.Counter(o for o, _ in res.values())
