@@ -21,7 +21,7 @@ release) become stubs that raise: the tests that use them fail on both sides ("A
 
     python bench/trl_sft_suite.py --trl-git /path/to/trl/.git --rev f2cd57710ae3 [-k EXPR]
 
-Speed is not measured here; the run takes tens of minutes on 2 cores (two pytest sessions of
+Speed is not measured here; the run takes about 10 minutes on 2 cores (two pytest sessions of
 ~260 tests, about 90 of them training a tiny model on the CPU).
 """
 
