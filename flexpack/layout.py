@@ -102,6 +102,20 @@ def _has_split_run(d: Tensor) -> Tensor:
     return ((ids[:, 1:] == ids[:, :-1]) & (ids[:, 1:] >= 0)).any()
 
 
+def _split_run_on_host(d: Tensor) -> bool:
+    """:func:`_has_split_run` of a CPU tensor, in numpy: no torch op, so nothing a sync counter
+    (or a dispatch mode) sees; torch's ops where numpy cannot read the tensor (a subclass)."""
+    try:
+        ids = d.detach().numpy()
+    except (RuntimeError, TypeError):
+        return bool(_has_split_run(d))
+    ids = ids.reshape(-1, ids.shape[-1]).astype(np.int64, copy=False)
+    first = ids >= 0
+    first[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    runs = np.sort(np.where(first, ids, -1), axis=1)  # each run's id once
+    return bool(((runs[:, 1:] == runs[:, :-1]) & (runs[:, 1:] >= 0)).any())
+
+
 def _run_starts(d: Tensor, where: str = "doc_ids") -> Tensor:
     """(B, S) bool: the first token of every run of equal non-negative ids of ``d`` (B, S)
     (signed integers). The one rule of what a document is, for layouts and for every entry
@@ -149,7 +163,11 @@ def _check_runs(doc_ids: Tensor, where: str = "doc_ids") -> None:
         return
 
     def check() -> bool:
-        if bool(_has_split_run(doc_ids)):
+        if (
+            _split_run_on_host(doc_ids)
+            if doc_ids.device.type == "cpu"
+            else bool(_has_split_run(doc_ids))
+        ):
             _run_starts(doc_ids, where)  # finds the id and positions, and raises
         return True
 
