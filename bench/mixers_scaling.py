@@ -28,15 +28,13 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _machine import describe
-from mixers import FAMILIES, _model
+from mixers import FAMILIES, _model, _timed
 
 from flexpack.mixers._plan import DocumentPlan
 
@@ -62,16 +60,6 @@ def _mixer(model):
             if out is not None:
                 return module, room
     return None, None
-
-
-def _timed(step, repeats: int) -> float:
-    times = []
-    for i in range(repeats + 1):
-        t0 = time.perf_counter()
-        step()
-        if i:  # the first call warms up
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _first(out):
