@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import json
 import re
 import time
@@ -521,13 +522,12 @@ class _Borrowed:
         self.modules = [(m, _shallow(m.__dict__)) for m in model.modules()]
         self.configs = [(c, _shallow(c.__dict__)) for c in _configs(model)]
         self.data: list[tuple[Tensor, Tensor]] = []  # (parameter, its own data)
-        self.adapted = getattr(mixers, "_adapted", None)
-        self.was_adapted = any(mixers.is_adapted(m) for m in model.modules()) or (
-            self.adapted is not None and self.adapted(model) is not None
-        )  # fmt: skip
+        self.was_adapted = mixers._adapted(model) is not None or any(
+            mixers.is_adapted(m) for m in model.modules()
+        )
         registries = (_mixers_check._checked, _mixers_check._attention, hf._aux_warned)
         self.registries = [(r, model in r) for r in registries]
-        self.seen_configs = set(getattr(mixers, "_seen_configs", {}))
+        self.seen_configs = set(mixers._seen_configs)
         self.probing = _mixers_check._probing
         _mixers_check._probing = True  # its attention's check runs no probe of its own
         self.rng = torch.random.fork_rng(devices=[])
@@ -554,7 +554,7 @@ class _Borrowed:
                         registry.discard(self.model)
                     else:
                         del registry[self.model]
-            seen = getattr(mixers, "_seen_configs", {})
+            seen = mixers._seen_configs
             for key in set(seen) - self.seen_configs:
                 seen.pop(key, None)
             _mixers_check._probing = self.probing
@@ -755,15 +755,8 @@ def _run(
         finally:
             row.remove()
         _set_attention(model, "eager")
-        alone = []
-        for a, b in spans:
-            calls = _Recorder(model)
-            try:
-                torch.manual_seed(0)
-                model(input_ids=batch.input_ids[:, a:b], use_cache=False)
-            finally:
-                calls.remove()
-            alone.append(calls)
+        alone = [_recorded(model, input_ids=batch.input_ids[:, a:b], use_cache=False)
+                 for a, b in spans]  # fmt: skip
     S = batch.input_ids.shape[1]
     return _compare(name, kind, row, alone, spans, S, tol, failed), spans
 
@@ -779,32 +772,21 @@ def _run_flattened(
     ``position_ids``, no ``attention_mask``, no ``doc_ids``) through the model as it is,
     against each document alone through the same model: the verdict for
     :attr:`CheckReport.flattened`."""
-    lengths = [len(d) for d in documents]
     row_ids = torch.cat(documents)[None]
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    spans, start = [], 0
-    for n in lengths:
-        spans.append((start, start + n))
-        start += n
+    positions = torch.cat([torch.arange(len(d)) for d in documents])[None]
+    ends = list(itertools.accumulate(len(d) for d in documents))
+    spans = list(zip([0, *ends[:-1]], ends, strict=True))
     with torch.no_grad(), torch.autocast("cpu", enabled=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        alone: list[_Recorder] = []
         try:
-            for a, b in [(0, start), *spans]:  # the row, then each document alone
-                calls = _Recorder(model)
-                try:
-                    torch.manual_seed(0)
-                    model(input_ids=row_ids[:, a:b], use_cache=False,
-                          **({"position_ids": positions} if b - a == start else {}))  # fmt: skip
-                finally:
-                    calls.remove()
-                alone.append(calls)
+            row = _recorded(model, input_ids=row_ids, position_ids=positions, use_cache=False)
+            alone = [_recorded(model, input_ids=row_ids[:, a:b], use_cache=False)
+                     for a, b in spans]  # fmt: skip
         except Exception as e:  # a kernel the CPU lacks (flash-attn), a refusal by name
             first = str(e).split(". ")[0]
             return f"not run here ({type(e).__name__}: {first})"
-        row = alone.pop(0)
     try:
-        _compare(name, kind, row, alone, spans, start, tol, None)
+        _compare(name, kind, row, alone, spans, ends[-1], tol, None)
     except _NotExact as e:
         return "not exact: " + _flattened_fix(model) + " " + str(e).split(": ", 1)[1]
     except RuntimeError as e:
@@ -902,6 +884,18 @@ class _Recorder:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _recorded(model: torch.nn.Module, **kwargs: Any) -> _Recorder:
+    """One call of ``model`` (seeded: dropout-free runs stay comparable) under a
+    :class:`_Recorder`."""
+    calls = _Recorder(model)
+    try:
+        torch.manual_seed(0)
+        model(**kwargs)
+    finally:
+        calls.remove()
+    return calls
 
 
 def _difference(
