@@ -22,8 +22,8 @@ config (compiled code, allocator caches). Per config it reports:
   where RSS cannot resolve kilobytes).
 - rss: ru_maxrss growth over the baseline taken after imports and input creation (includes the
   compile for the compiled method, and a few MB of one-time lazy initialization for every
-  method); coarse, but catches allocations the profiler cannot see. Workers run with
-  MALLOC_MMAP_THRESHOLD_=65536 so glibc returns freed large blocks instead of growing the heap.
+  method); coarse (glibc at its defaults keeps freed blocks in its heap), but catches
+  allocations the profiler cannot see.
 - size: the BlockMask's own tensors (sum of nbytes), the denominator of "peak / size".
 
 Document lengths: lognormal, median 300, sigma 1.0, clipped to [1, S], concatenated per row and
@@ -206,10 +206,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             cmd = [sys.executable, __file__, "--worker", str(S), str(B), method]
             cmd += [str(threads or "default"), "--reps", str(_reps(S, B, method))]
-            # A fixed mmap threshold makes glibc hand freed large blocks back to the OS, so
-            # ru_maxrss tracks live memory instead of allocator fragmentation.
-            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            # The allocator at its defaults, as users run: a fixed mmap threshold (which makes
+            # ru_maxrss track live memory) turns every block over 64 KB into an mmap and a page
+            # fault per page, which doubled flexpack's time at S = 16K.
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode != 0:
                 results[key] = f"failed: {proc.stderr.strip().splitlines()[-1][:120]}"
                 print(f"S={S} B={B} {key}: {results[key]}", flush=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
@@ -493,7 +494,50 @@ def _document_runs(doc_ids: Tensor, block_size: int) -> tuple[Tensor, ...]:
     return a, c, d, b
 
 
-def _run_indices(runs: Tensor, m: int) -> tuple[Tensor, Tensor]:
+def _document_runs_host(ids: np.ndarray, block_size: int) -> tuple[np.ndarray, ...]:
+    """:func:`_document_runs` of a host array, in numpy: a search over the run starts.
+
+    A torch op costs microseconds of dispatch, many times the work on a few thousand blocks, so
+    on CPU the same runs come from numpy (equal where a block holds a real token; an all-padding
+    block gets a == c == d == b, an empty run, as there).
+    """
+    B, S = ids.shape
+    marks = np.empty((B, S), dtype=bool)  # the first token of every run: documents and padding
+    marks[:, 0] = True
+    np.not_equal(ids[:, 1:], ids[:, :-1], out=marks[:, 1:])
+    bounds = np.append(np.flatnonzero(marks), B * S)  # flat run starts, then the end
+    first_pos = np.arange(0, S, block_size)
+    last_pos = np.minimum(first_pos + block_size, S) - 1
+    row0 = np.arange(0, B * S, S)[:, None]
+    k = np.searchsorted(bounds, first_pos + row0, "right") - 1  # run of a block's first token
+    k_last = np.searchsorted(bounds, last_pos + row0, "right") - 1  # of its last token
+    any_real = ids[:, first_pos] >= 0  # padding only at the row end
+    last_real = ids[:, last_pos] >= 0
+    first_start = bounds[k] - row0
+    # The end of the document of the block's last real token: the next run starts after it, or
+    # (the last token is padding) the padding run starts right after it.
+    after = np.where(last_real, bounds[np.minimum(k_last + 1, bounds.size - 1)], bounds[k_last])
+    last_end = after - row0 - 1
+    a = first_start // block_size
+    b = np.where(any_real, last_end // block_size + 1, a)
+    capable = any_real & last_real & (k == k_last)
+    c = np.where(capable, -(-first_start // block_size), b)
+    d = np.where(capable, (last_end + 1) // block_size, b)
+    return a, c, d, b
+
+
+def _host_ids(doc_ids: Tensor) -> np.ndarray | None:
+    """The CPU ids as a numpy array (no copy), or None where numpy cannot read them (a device,
+    a tensor subclass, a fake tensor while compiling)."""
+    if doc_ids.device.type != "cpu" or torch.compiler.is_compiling():
+        return None
+    try:
+        return doc_ids.detach().numpy()
+    except (RuntimeError, TypeError):
+        return None
+
+
+def _run_indices(runs: Tensor | np.ndarray, m: int, device: torch.device) -> tuple[Tensor, Tensor]:
     """Counts and indices of rows whose hits are the runs [a, c) and [d, b), a <= c <= d <= b.
 
     Per row, the hits in ascending order, then the misses in ascending order (the layout of
@@ -502,40 +546,44 @@ def _run_indices(runs: Tensor, m: int) -> tuple[Tensor, Tensor]:
     the output buffer itself (no temporaries of the output's size).
 
     Args:
-        runs: (4, rows) int64, the rows' a, c, d, b.
+        runs: (4, rows) int64, the rows' a, c, d, b: a tensor on ``device``, or a numpy array
+            for a CPU output (the per-row arithmetic then runs in numpy).
         m: columns.
+        device: where the output goes.
 
     Returns:
         (rows,) int32 counts and (rows, m) int32 indices.
     """
+    xp = np if isinstance(runs, np.ndarray) else torch
     a, c, d, b = runs
     n1 = c - a
     cnt = n1 + (b - d)
-    zero = torch.zeros_like(a)
+    zero = xp.zeros_like(a)
     # Offset by segment: hits of run 1 -> a; of run 2 -> d - n1; misses before a -> -cnt;
     # misses in [c, d) -> c - a - cnt; past b -> 0 (the index is the position there).
-    values = torch.stack((zero, a, d - n1, -cnt, c - a - cnt, zero), -1)
-    starts = torch.stack((zero, n1, cnt, cnt + a, b), -1)
+    values = xp.stack((zero, a, d - n1, -cnt, c - a - cnt, zero), -1)
+    starts = xp.stack((zero, n1, cnt, cnt + a, b), -1)
     # A segment starting at m adds nothing: park it on column 0 with a step of 0.
     inside = starts < m
-    steps = (values[:, 1:] - values[:, :-1]).masked_fill_(~inside, 0).to(torch.int32)
-    starts = starts.masked_fill_(~inside, 0)
-    rows = a.numel()
-    out = torch.empty(rows, m, dtype=torch.int32, device=a.device)
-    j = torch.arange(m, dtype=torch.int32, device=a.device)
+    steps = torch.as_tensor(xp.where(inside, values[:, 1:] - values[:, :-1], 0), dtype=torch.int32)
+    starts = torch.as_tensor(xp.where(inside, starts, 0), dtype=torch.int64)
+    cnt = torch.as_tensor(cnt, dtype=torch.int32)
+    rows = cnt.numel()
+    out = torch.empty(rows, m, dtype=torch.int32, device=device)
+    j = torch.arange(m, dtype=torch.int32, device=device)
     # On CPU, a small output is written in pieces below torch's intra-op grain size (32768
     # elements): each op then runs on the calling thread. A parallel region costs a thread
     # wake-up, which on a loaded machine (a descheduled worker) is milliseconds, many times
     # the work itself. Large outputs keep a few parallel pieces.
     total = rows * m
     piece = _SERIAL_ELEMENTS if total <= _SERIAL_MAX_TOTAL else max(total // 4, _SERIAL_ELEMENTS)
-    step = rows if a.device.type != "cpu" else max(1, piece // m)
+    step = rows if device.type != "cpu" else max(1, piece // m)
     for r in range(0, rows, step):
         o = out[r : r + step].zero_()
         o.scatter_add_(1, starts[r : r + step], steps[r : r + step])
         o.cumsum_(1)
         o.add_(j)
-    return cnt.to(torch.int32), out
+    return cnt, out
 
 
 def document_block_mask(
@@ -569,32 +617,37 @@ def document_block_mask(
     """
     B, S = doc_ids.shape
     nb = _num_blocks(S, block_size)
-    a, c, d, b = _document_runs(doc_ids, block_size)
+    ids = _host_ids(doc_ids)
+    if ids is None:
+        xp, i = torch, torch.arange(nb, device=doc_ids.device)
+        a, c, d, b = _document_runs(doc_ids, block_size)
+    else:  # the same arithmetic in numpy: on CPU, torch's dispatch costs more than the work
+        xp, i = np, np.arange(nb)
+        a, c, d, b = _document_runs_host(ids, block_size)
     if batch is not None and batch != B:
-        a, c, d, b = (x.expand(batch, nb) for x in (a, c, d, b))
+        a, c, d, b = (xp.broadcast_to(x, (batch, nb)) for x in (a, c, d, b))
         B = batch
-    i = torch.arange(nb, device=a.device)
     if S % block_size:  # the tail block reaches past S: never full (as create_block_mask)
-        last = i == nb - 1
-        d = torch.where(last, c, torch.clamp(d, max=nb - 1))
+        # As a column it is out of every full run already (d <= S // block_size); as a row,
+        # its full run goes.
+        d = xp.where(i == nb - 1, c, d)
 
-    def side(a, c, d, b) -> list[Tensor]:  # partial runs [a, c) + [d, b), full run [c, d)
+    def side(a, c, d, b) -> list:  # partial runs [a, c) + [d, b), full run [c, d)
         empty = c >= d
-        c, d = torch.where(empty, b, c), torch.where(empty, b, d)
+        c, d = xp.where(empty, b, c), xp.where(empty, b, d)
         return [a, c, d, b, c, d, d, d]
 
     if causal:
         diag = int(block_size == 1)  # a diagonal block is full only for 1-token blocks
-        bk = torch.minimum(b, i + 1)  # kv side, row = q block i: keys up to block i
-        runs = side(torch.minimum(a, bk), c, torch.minimum(d, i + diag), bk)
+        bk = xp.minimum(b, i + 1)  # kv side, row = q block i: keys up to block i
+        runs = side(xp.minimum(a, bk), c, xp.minimum(d, i + diag), bk)
         # q side, row = kv block i: queries from block i on (the mask is symmetric before
         # the causal cut, so the document runs serve both sides).
-        runs += side(torch.minimum(torch.maximum(a, i), b), torch.maximum(c, i + 1 - diag), d, b)
+        runs += side(xp.minimum(xp.maximum(a, i), b), xp.maximum(c, i + 1 - diag), d, b)
     else:
         runs = side(a, c, d, b)
-    num, idx = _run_indices(
-        torch.stack(runs).view(-1, 4, B * nb).transpose(0, 1).reshape(4, -1), nb
-    )
+    stacked = xp.stack(runs).reshape(-1, 4, B * nb).swapaxes(0, 1).reshape(4, -1)
+    num, idx = _run_indices(stacked, nb, doc_ids.device)
     num, idx = num.view(-1, B, 1, nb), idx.view(-1, B, 1, nb, nb)
     kv, q = (0, 1), (2, 3) if causal else (0, 1)
     return BlockMask(
