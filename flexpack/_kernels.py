@@ -445,26 +445,6 @@ def _nb_make_pieces(lengths, max_len, mode):
     return sample, start, stop
 
 
-@_kernel()
-def _nb_order_by_size_desc(sizes, max_len):
-    """Stable counting sort: indices of ``sizes`` (each in 0..max_len) from largest to smallest."""
-    n = sizes.shape[0]
-    counts = np.zeros(max_len + 1, np.int64)
-    for i in range(n):
-        counts[sizes[i]] += 1
-    pos = np.empty(max_len + 1, np.int64)
-    acc = 0
-    for v in range(max_len, -1, -1):
-        pos[v] = acc
-        acc += counts[v]
-    order = np.empty(n, np.int64)
-    for i in range(n):
-        v = sizes[i]
-        order[pos[v]] = i
-        pos[v] += 1
-    return order
-
-
 # Presence tree over remaining capacities 0..max_len: leaf c is 1 while some open row has exactly c
 # tokens free. "Smallest capacity >= s" is one walk up and one walk down: O(log max_len).
 
@@ -506,25 +486,37 @@ def _nb_tree_first_at_least(tree, size, s):
 
 
 @_kernel()
-def _nb_sorted_desc(sizes, max_len):
-    if max_len > 4 * sizes.shape[0] + 65536:
-        # a counting sort's table would dwarf the input: sort by comparison (stable)
-        order = np.argsort(-sizes, kind="mergesort")
-    else:
-        order = _nb_order_by_size_desc(sizes, max_len)
+def _nb_ranked_desc(sizes, max_len):
+    """Sizes from largest to smallest (stable), and the place of each piece in that order.
+
+    A histogram gives both without an order array: the sorted sizes are runs of equal values,
+    and piece i's place is its size's next free slot, read in input order (sequential writes
+    only). A counting sort's table would dwarf a short input of huge sizes: there, a stable
+    comparison sort.
+    """
     n = sizes.shape[0]
     sorted_sizes = np.empty(n, np.int64)
-    for k in range(n):
-        sorted_sizes[k] = sizes[order[k]]
-    return order, sorted_sizes
-
-
-@_kernel()
-def _nb_unsort(order, values):
-    out = np.empty(order.shape[0], np.int64)
-    for k in range(order.shape[0]):
-        out[order[k]] = values[k]
-    return out
+    rank = np.empty(n, np.int64)
+    if max_len > 4 * n + 65536:
+        order = np.argsort(-sizes, kind="mergesort")
+        for k in range(n):
+            sorted_sizes[k] = sizes[order[k]]
+            rank[order[k]] = k
+        return sorted_sizes, rank
+    counts = np.zeros(max_len + 1, np.int64)
+    for i in range(n):
+        counts[sizes[i]] += 1
+    slot = np.empty(max_len + 1, np.int64)
+    acc = 0
+    for v in range(max_len, -1, -1):
+        slot[v] = acc
+        sorted_sizes[acc : acc + counts[v]] = v
+        acc += counts[v]
+    for i in range(n):
+        v = sizes[i]
+        rank[i] = slot[v]
+        slot[v] += 1
+    return sorted_sizes, rank
 
 
 @_kernel()
@@ -534,10 +526,11 @@ def _nb_best_fit_decreasing(sizes, max_len, max_docs):
     Open rows are kept in buckets by free capacity (a stack of row ids per capacity, linked
     through ``nxt``) with a presence tree over capacities: O(n log max_len) in all. The main loop
     walks the pieces in sorted order and writes sequentially (random access only where the data
-    structure needs it): at 10M pieces, cache misses dominate.
+    structure needs it): at 10M pieces, cache misses dominate. Each piece then reads its row
+    from its place in the sorted order.
     """
     n = sizes.shape[0]
-    order, sorted_sizes = _nb_sorted_desc(sizes, max_len)
+    sorted_sizes, rank = _nb_ranked_desc(sizes, max_len)
     size = 1
     while size < max_len + 1:
         size *= 2
@@ -572,7 +565,10 @@ def _nb_best_fit_decreasing(sizes, max_len, max_docs):
                 _nb_tree_set(tree, size, left)
             nxt[r] = head[left]
             head[left] = r
-    return _nb_unsort(order, row_sorted), num_rows
+    row_of = np.empty(n, np.int64)
+    for i in range(n):
+        row_of[i] = row_sorted[rank[i]]
+    return row_of, num_rows
 
 
 @_kernel()
@@ -583,7 +579,7 @@ def _nb_first_fit_decreasing(sizes, max_len, max_docs):
     (max_len free), so the first fit is an opened row or the next new one. O(n log n).
     """
     n = sizes.shape[0]
-    order, sorted_sizes = _nb_sorted_desc(sizes, max_len)
+    sorted_sizes, rank = _nb_ranked_desc(sizes, max_len)
     size = 1
     while size < max(n, 1):
         size *= 2
@@ -614,7 +610,10 @@ def _nb_first_fit_decreasing(sizes, max_len, max_docs):
                 break
             tree[node] = v
             node >>= 1
-    return _nb_unsort(order, row_sorted), num_rows
+    row_of = np.empty(n, np.int64)
+    for i in range(n):
+        row_of[i] = row_sorted[rank[i]]
+    return row_of, num_rows
 
 
 @_kernel()
