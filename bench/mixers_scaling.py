@@ -101,7 +101,10 @@ def _kind(kind: str, total: int, lengths: list[int], repeats: int) -> None:
 
         own_s = None
         if not any(s in kind for s in SLOW_OWN) or L <= 128:
-            own_s = _timed(step(module.forward, x, w), repeats)
+            try:
+                own_s = _timed(step(module.forward, x, w), repeats)
+            except TypeError:  # an own forward that needs the model's other inputs (MiniMax)
+                own_s = None
         row_s = _timed(step(functools.partial(one, plan=alone), x, w), repeats)
         flat = (1, n * L, hidden)
         packed_s = _timed(
