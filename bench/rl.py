@@ -189,7 +189,7 @@ def logp_fwd_bwd(trainer, kind, batch, model) -> None:
     kw = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
     caller = model
     if hasattr(trainer, "flexpack_stats"):
-        from flexpack.integrations.trl import _TreeCaller
+        from flexpack.integrations.trl.dpo import _TreeCaller
 
         caller = _TreeCaller(trainer, model, extras=True)
     caller(**kw, labels=labels, fused_lm_head=True, use_cache=False).log_probs.sum().backward()
@@ -219,7 +219,7 @@ def tokens(trainer, kind, batch) -> int:
             ids, mask, C = batch
             trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, C)
         else:
-            from flexpack.integrations.trl import _TreeCaller
+            from flexpack.integrations.trl.dpo import _TreeCaller
 
             labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
             _TreeCaller(trainer, trainer.model, extras=False)(

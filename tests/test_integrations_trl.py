@@ -21,6 +21,8 @@ datasets = pytest.importorskip("datasets")
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from flexpack.integrations import trl as ftrl  # noqa: E402
+from flexpack.integrations.trl import dpo as fdpo  # noqa: E402
+from flexpack.integrations.trl._trees import _pack_rows, _refuse_sharding  # noqa: E402
 from flexpack.trees import pack_padded  # noqa: E402
 
 V = 64
@@ -590,9 +592,9 @@ def test_mask_truncated_completions_trains_as_trl(model_dir, tokenizer, tmp_path
 def test_dpo_fallback_warning_names_what_the_call_carried():
     """The reason DPO's call takes TRL's path names the call's arguments (it once read
     "DPO passed inputs flexpack does not pack ([])")."""
-    why = ftrl._dpo_call_unpacked((), {"input_ids": 1, "attention_mask": 1}, [])
+    why = fdpo._dpo_call_unpacked((), {"input_ids": 1, "attention_mask": 1}, [])
     assert "no fused_lm_head=True" in why and "compute_metrics" in why
-    why = ftrl._dpo_call_unpacked((1,), {"fused_lm_head": True}, ["pixel_values"])
+    why = fdpo._dpo_call_unpacked((1,), {"fused_lm_head": True}, ["pixel_values"])
     assert "1 positional argument" in why and "pixel_values" in why
     assert "fused_lm_head" not in why.replace("pixel_values", "")
 
@@ -704,7 +706,7 @@ def test_dpo_pairs_sharing_earlier_turns_pack_as_multi_level_trees(
         rows["chosen"].append(" " + words(g, 1 + i % 4))
         rows["rejected"].append(" " + words(g, 2 + (i * 3) % 5))
     data = datasets.Dataset.from_dict(rows)
-    calls, dpo_trees = {"rows": []}, ftrl._dpo_trees
+    calls, dpo_trees = {"rows": []}, fdpo._dpo_trees
 
     def record(ids, mask, labels, k=0):
         calls["rows"].append((ids, mask, labels, k))
@@ -723,7 +725,7 @@ def test_dpo_pairs_sharing_earlier_turns_pack_as_multi_level_trees(
         )  # fmt: skip
         with warnings.catch_warnings(), monkeypatch.context() as patch:
             warnings.simplefilter("ignore")
-            patch.setattr(ftrl, "_dpo_trees", record)
+            patch.setattr(fdpo, "_dpo_trees", record)
             trainer.train()
         runs[name] = trainer
     want, got = runs["trl"], runs["flexpack"]
@@ -738,7 +740,7 @@ def test_dpo_pairs_sharing_earlier_turns_pack_as_multi_level_trees(
     seen = calls["rows"]
     assert seen and all(k == 16 for *_, k in seen)
     alone, shared = (
-        sum(ftrl._dpo_trees(i, m, y, k)[0].batch.num_tokens for i, m, y, _ in seen) for k in (0, 16)
+        sum(fdpo._dpo_trees(i, m, y, k)[0].batch.num_tokens for i, m, y, _ in seen) for k in (0, 16)
     )
     assert shared < alone  # the 20 shared tokens once per batch, not once per prompt
 
@@ -884,9 +886,9 @@ def test_deepspeed_zero3_is_refused_by_name():
         accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
     )
     with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-3.*ZeRO-1/2, FSDP2"):
-        ftrl._refuse_sharding(trainer)
+        _refuse_sharding(trainer)
     plugin.zero_stage = 2  # ZeRO-1/2 keep whole parameters: the engine's forward runs the trees
-    ftrl._refuse_sharding(trainer)
+    _refuse_sharding(trainer)
 
 
 def test_gpt2_positions_count_from_the_first_real_token_as_generate_does(tokenizer, tmp_path):
@@ -972,9 +974,7 @@ def test_grpo_prompts_sharing_a_beginning_pack_as_multi_level_trees(model_dir, t
     assert results[3][3] < results[0][3]  # packed rows' tokens (R * S)
     # S (5 tokens) once instead of 4 times and [7, 8] once instead of twice: 17 fewer
     real = [
-        ftrl._pack_rows(
-            ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:], share
-        ).batch.num_tokens
+        _pack_rows(ids[:, :-C], mask[:, :-C], ids[:, -C:], mask[:, -C:], share).batch.num_tokens
         for share in (0, 3)
     ]
     assert real[1] == real[0] - 17

@@ -245,7 +245,7 @@ def test_per_document_loss_equals_unpacked_mean_of_sample_means(tmp_path, tokeni
 
 
 def test_per_document_weights_count_documents_not_tokens():
-    from flexpack.integrations.trl import _document_weights
+    from flexpack.integrations.trl.sft import _document_weights
 
     labels = torch.tensor([[-100, 5, 6, -100, 7, -100], [-100, -100, 8, 9, 9, -100]])
     doc_ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 0, 0, 1, 1, 1]])

@@ -33,7 +33,8 @@ from test_trl_sft import (  # noqa: E402
     word_tokenizer,
 )
 
-from flexpack.integrations.trl import SFTTrainer, _StreamedRows  # noqa: E402
+from flexpack.integrations.trl import SFTTrainer  # noqa: E402
+from flexpack.integrations.trl.sft import _StreamedRows  # noqa: E402
 
 
 @pytest.fixture(scope="module")
