@@ -11,14 +11,18 @@ import math
 import re
 import sys
 
+import numpy as np
 import pytest
 import torch
+from _rows import dense_document_causal as _twin
+from _rows import qkv as _qkv
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.nn.attention.flex_attention import create_block_mask
 
 import flexpack
 from flexpack import masks
+from flexpack import masks as fm
 from flexpack.attention import RecompileLimitError, _choose_path, _mask_spec
 from flexpack.testing import dense_mask, reference_attention
 from flexpack.testing import strategies as fst
@@ -172,6 +176,17 @@ def test_one_row_mask_broadcasts_over_the_batch():
     q, k, v = make_qkv(3, 2, 2, 7, 8, torch.float32)
     ref = lambda q, k, v: per_document_reference(q, k, v, doc_ids[None], causal=True)
     check_against(ref, q, k, v, masks.document(doc_ids) & masks.causal(), pad=doc_ids[None] < 0)
+
+
+def test_a_one_row_mask_broadcasts_over_the_batch_as_documented():
+    import inspect
+
+    doc = " ".join(inspect.getdoc(flexpack.attention).split())
+    assert "A mask of batch size 1 is broadcast" in doc
+    q, k, v = _qkv(3, 4)
+    d = torch.tensor([[0, 0, 1, 1]])
+    got = flexpack.attention(q, k, v, fm.document(d) & fm.causal())
+    torch.testing.assert_close(got, reference_attention(q, k, v, _twin(d.expand(3, 4))))
 
 
 @settings(max_examples=15, deadline=None)
@@ -392,6 +407,27 @@ def _bad_inputs():
 def test_bad_input(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         flexpack.attention(*args, **kwargs)
+
+
+def test_attention_with_q_in_bshd_says_to_transpose():
+    # q in (B, S, H, D): the message said to rebuild the mask; the mask was right, q was not.
+    d = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    m = fm.document(d) & fm.causal()
+    q, k, v = (x.transpose(1, 2) for x in _qkv(1, 6, H=2))  # (B, S, H, D)
+    for mask in (m, m.block_mask(block_size=2)):
+        with pytest.raises(ValueError, match=r"\(B, H, S, D\).*transpose\(1, 2\)"):
+            flexpack.attention(q, k, v, mask)
+
+
+@pytest.mark.parametrize("name", ["scale", "softcap"])
+def test_attention_takes_numpy_scalars(name):
+    q, k, v = _qkv(1, 4)
+    mask = fm.document(torch.tensor([[0, 0, 1, 1]])) & fm.causal()
+    want = flexpack.attention(q, k, v, mask, **{name: 0.5})
+    got = flexpack.attention(q, k, v, mask, **{name: np.float32(0.5)})
+    torch.testing.assert_close(got, want)
+    with pytest.raises(TypeError, match=rf"{name} must be a float or None, got 'x'"):
+        flexpack.attention(q, k, v, mask, **{name: "x"})
 
 
 # ----------------------------------------------------------------------------- compiled flex

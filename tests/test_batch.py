@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import flexpack
 from flexpack import PackedBatch, PackedLayout, pack, pack_sequences
 
 
@@ -158,6 +159,11 @@ def test_a_text_column_says_flexpack_does_not_tokenize():
         pack_sequences([{"text": "hello"}], 4)
 
 
+def test_pack_sequences_refuses_text_before_reporting_lengths():
+    with pytest.raises(TypeError, match="does not tokenize"):
+        flexpack.pack_sequences(["hello world"], max_len=8)
+
+
 @pytest.mark.parametrize(
     ("pad_id", "exc"),
     [("x", TypeError), (None, TypeError), (0.5, TypeError), (True, TypeError), (2**64, ValueError)],
@@ -169,3 +175,14 @@ def test_bad_pad_id_is_refused_clearly(pad_id, exc):
     with pytest.raises(exc, match="pad_id"):
         pack([2], 4).materialize([[1, 2]], pad_id=pad_id)
     assert pack_sequences([[1, 2]], 4, pad_id=np.int64(7)).input_ids.tolist() == [[1, 2, 7, 7]]
+
+
+def test_python_api_refuses_negative_token_and_pad_ids_as_the_cli_does():
+    with pytest.raises(ValueError, match="token id -2"):
+        flexpack.pack_sequences([[1, -2, 3]], max_len=8)
+    with pytest.raises(ValueError, match="token id -2"):
+        flexpack.pack_sequences([np.array([1, -2, 3])], max_len=8)
+    with pytest.raises(ValueError, match=r"pad_id must be a token id in 0\.\.2\*\*63 - 1"):
+        flexpack.pack_sequences([[1, 2]], max_len=8, pad_id=-1)
+    labels = flexpack.pack_sequences([{"input_ids": [1, 2], "labels": [-100, 2]}], 4).labels
+    assert labels.tolist() == [[-100, 2, -100, -100]]

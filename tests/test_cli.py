@@ -7,6 +7,7 @@ import sys
 import numpy as np
 import pytest
 
+import flexpack
 from flexpack import pack
 from flexpack.cli import main
 
@@ -258,6 +259,19 @@ def test_unwritable_out_is_a_usage_error(tmp_path, capsys):
     assert exit_.value.code == 2 and "permission denied" in capsys.readouterr().err
 
 
+def test_cli_refuses_out_in_a_missing_folder_before_reading(tmp_path, capsys):
+    from flexpack.cli import main
+
+    missing = tmp_path / "nonexistent" / "dir"
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"\xff not read: the refusal comes first\n")
+    with pytest.raises(SystemExit) as e:
+        main(["pack", str(src), "--max-len", "4", "--out", str(missing / "o.parquet")])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "does not exist" in err and "mkdir -p" in err
+    assert not missing.parent.exists()
+
+
 def test_input_that_is_a_directory_or_not_utf8(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["stats", str(tmp_path), "--max-len", "4"])
@@ -478,6 +492,35 @@ def test_a_null_labels_field_labels_its_sample_by_its_tokens(tmp_path):
         == 0
     )
     _check_packed(out, want, 8)
+
+
+def _jsonl(path, lines):
+    import json
+
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+def test_cli_counts_empty_samples_and_labels_records_without_labels(tmp_path, capsys):
+    pq = pytest.importorskip("pyarrow.parquet")
+    from flexpack.cli import main
+
+    src = _jsonl(
+        tmp_path / "in.jsonl",
+        [
+            {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
+            {"input_ids": []},
+            {"input_ids": [4, 5]},  # no labels field: labelled by its tokens, as a null one
+        ],
+    )
+    out = tmp_path / "o.parquet"
+    argv = ["pack", src, "--max-len", "4", "--out", str(out), "--labels-column", "labels"]
+    assert main(argv) == 0
+    summary = capsys.readouterr().out
+    assert "samples     3" in summary and "empty       1 samples" in summary
+    labels = sorted(map(tuple, pq.read_table(out).column("labels").to_pylist()))
+    assert labels == [(-100, 2, 3, -100), (-100, 5, -100, -100)]
+    assert flexpack.pack([3, 0, 2], 4).stats.empty_samples == 1
 
 
 def test_parquet_ids_past_int64_negative_or_mislabelled_name_the_row(tmp_path, capsys):

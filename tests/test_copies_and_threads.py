@@ -22,8 +22,11 @@ import threading
 
 import pytest
 import torch
+from _rows import random_rows as _rows_of
 
 transformers = pytest.importorskip("transformers")
+
+from test_mixers import _model  # noqa: E402
 
 import flexpack  # noqa: E402
 import flexpack.mixers  # noqa: E402
@@ -305,3 +308,25 @@ def test_one_models_first_forwards_from_two_threads():
     assert not errors, errors
     for got in results:
         assert_all_close(got, want)
+
+
+@pytest.mark.parametrize("kind", ["short_conv", "gated_delta_rule"])
+def test_swap_tensors_on_doc_ids_after_a_call(kind):
+    """torch.utils.swap_tensors refused doc ids flexpack had read ("has weakref associated with
+    it": the caches' stamps held weak references to them). The stamps hold the storage's now:
+    the swap runs, and the next call sees the swapped-in layout."""
+    from flexpack.integrations.transformers import register
+
+    model = _model(kind, register())
+    reference = _model(kind)
+    ids, doc_ids, _, _ = _rows_of([[7, 11]], S=18)
+    with torch.no_grad():
+        model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
+        _, other, docs, spans = _rows_of([[12, 6]], S=18)
+        ids = torch.cat(docs)[None]
+        torch.utils.swap_tensors(doc_ids, other)  # no clear_caches() first
+        assert torch.equal(doc_ids[0, 11:13], torch.tensor([0, 1], dtype=torch.int32))
+        out = model(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
+        for (b, a, e), doc in zip(spans, docs, strict=True):
+            want = reference(input_ids=doc[None], use_cache=False).logits[0]
+            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-4)

@@ -11,6 +11,7 @@ from _rows import docs_of
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flexpack
 from flexpack.data import DistributedPackedSampler, PackedDataset, collate, shard_rows
 
 
@@ -114,6 +115,63 @@ def test_bad_input_errors():
         ds.shard(0, 2, remainder="keep")
 
 
+# uint64 token ids >= 2**63: every reader refuses them with the one shared check, as
+# pack_sequences does (they wrapped to negative ids: PackedDataset, PackedIterableDataset,
+# pack_trees; the CLI's Parquet reader is tested in test_cli.py).
+_BIG = np.array([3, 2**63 + 5, 4], dtype=np.uint64)
+
+
+@pytest.mark.parametrize(
+    "read",
+    [
+        lambda s: flexpack.data.PackedDataset(s, max_len=4)[0],
+        lambda s: list(flexpack.data.PackedIterableDataset(s, max_len=4, buffer_size=2)),
+        lambda s: flexpack.pack_trees([(s[0], [s[0]])], max_len=8),
+        lambda s: flexpack.pack_sequences(s, max_len=4),
+    ],
+    ids=["PackedDataset", "PackedIterableDataset", "pack_trees", "pack_sequences"],
+)
+@pytest.mark.parametrize("as_tensor", [False, True])
+def test_uint64_token_ids_past_int64_are_refused(read, as_tensor):
+    big = torch.from_numpy(_BIG) if as_tensor else _BIG
+    with pytest.raises(ValueError, match=rf"element 1 is {2**63 + 5}, which does not fit int64"):
+        read([big])
+    fits = np.array([3, 2**63 - 1, 4], dtype=np.uint64)
+    row = flexpack.data.PackedDataset([fits], max_len=4)[0]
+    assert row.input_ids.tolist() == [[3, 2**63 - 1, 4, 0]]
+
+
+def test_getitems_of_no_indices_is_no_rows():
+    # __getitems__([]) returned one empty batch: one result for zero indices.
+    ds = flexpack.data.PackedDataset([[1, 2], [3]], max_len=4)
+    assert ds.__getitems__([]) == []
+    assert len(ds.__getitems__([0, 0])) == 2
+
+
+@pytest.mark.parametrize("name", ["world_size", "num_replicas"])
+def test_world_size_zero_says_ranks_not_4096(name):
+    # world_size=0 suggested "world_size=4096", a row length.
+    ds = flexpack.data.PackedDataset([[1, 2], [3]], max_len=4)
+    if name == "world_size":
+        call = lambda: ds.shard(0, 0)
+    else:
+        call = lambda: flexpack.data.DistributedPackedSampler(ds, num_replicas=0, rank=0)
+    with pytest.raises(ValueError, match=r"number of ranks.*get_world_size\(\)") as e:
+        call()
+    assert "4096" not in str(e.value)
+
+
+@pytest.mark.parametrize("pad_id", [1.7, True, "0"])
+def test_datasets_refuse_a_pad_id_that_is_not_an_int(pad_id):
+    # pad_id=1.7 was truncated to 1 by int(); pack_sequences refuses it.
+    with pytest.raises(TypeError, match="pad_id must be an int token id"):
+        flexpack.data.PackedDataset([[1, 2]], max_len=4, pad_id=pad_id)
+    with pytest.raises(TypeError, match="pad_id must be an int token id"):
+        flexpack.data.PackedIterableDataset([[1, 2]], max_len=4, pad_id=pad_id)
+    ds = flexpack.data.PackedDataset([[1, 2]], max_len=4, pad_id=np.int64(7))
+    assert ds[0].input_ids.tolist() == [[1, 2, 7, 7]]
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     tokens=st.lists(st.integers(0, 100), min_size=1, max_size=60),
@@ -158,6 +216,14 @@ def test_shard_rows_negative_seed_or_epoch_names_itself(kwargs, match):
         shard_rows([1, 2, 3, 4], 2, shuffle=True, **kwargs)
     with pytest.raises(ValueError, match=f"{match} must be an int >= 0"):
         shard_rows([1, 2, 3, 4], 2, shuffle=True, **{match: 1.5})
+
+
+def test_shard_rows_refuses_float_counts():
+    from flexpack.data.dataset import shard_rows
+
+    with pytest.raises(TypeError, match=r"num_tokens must be integers.*float64.*\[1.5, 2.0\]"):
+        shard_rows([1.5, 2], 1)
+    assert shard_rows(np.array([3, 2], dtype=np.uint8), 1).tolist() == [[0, 1]]
 
 
 def test_sampler_every_row_once_equal_counts_epochs_differ():

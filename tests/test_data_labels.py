@@ -8,6 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import flexpack
 from flexpack import PackedBatch, PackedLayout, pack
 from flexpack.data import PackedDataset, collate
 
@@ -192,3 +193,51 @@ def test_a_scalar_labels_column_says_to_pass_none():
     assert len(pack_dataset(hf, 4, labels_column=None)) == 1
     with pytest.raises(TypeError, match="labels_column=None"):
         PackedDataset(pa.table({"input_ids": [[1, 2]], "labels": [0]}), 4)
+
+
+# Null labels rows: one rule on every path, "a sample whose labels row is null is labelled by its
+# tokens" (as a dict sample without the labels key). PackedDataset and pack_dataset refused
+# them while streaming labelled them; an all-null column failed only with sync_ranks=True.
+def _null_label_paths():
+    from flexpack.data import PackedDataset, PackedIterableDataset, collate
+    from flexpack.integrations.datasets import pack_dataset
+
+    def rows(batches):
+        return [b.labels[0].tolist() for b in batches]
+
+    return {
+        "PackedDataset": lambda ds: rows(PackedDataset(ds, 8)[i] for i in range(len(ds) and 1)),
+        "PackedDataset(table)": lambda ds: rows([PackedDataset(ds.data.table, 8)[0]]),
+        "stream": lambda ds: rows(PackedIterableDataset(ds, 8, buffer_size=8)),
+        "stream sync": lambda ds: rows(
+            PackedIterableDataset(ds, 8, buffer_size=8, sync_ranks=True, world_size=1, rank=0)
+        ),
+        "pack_dataset": lambda ds: collate(list(pack_dataset(ds, 8)), max_len=8).labels.tolist(),
+        "pack_dataset shuffled": lambda ds: collate(
+            list(pack_dataset(ds.select([1, 0, 2]).select([1, 0, 2]), 8)), max_len=8
+        ).labels.tolist(),
+        "pack_dataset padded": lambda ds: [r["labels"] for r in pack_dataset(ds, 8, padded=True)],
+    }
+
+
+@pytest.mark.parametrize("path", list(_null_label_paths()))
+@pytest.mark.parametrize("nulls", [(1,), (2,), (0, 1, 2)], ids=["middle", "last", "all"])
+def test_a_null_labels_row_is_labelled_by_its_tokens_on_every_path(path, nulls):
+    datasets = pytest.importorskip("datasets")
+    ids = [[1, 2, 3], [4, 5], [6, 7, 8]]
+    labels = [[-100, 2, 3], [-100, 5], [-100, -100, 8]]
+    given = [None if i in nulls else lab for i, lab in enumerate(labels)]
+    explicit = [ids[i] if i in nulls else lab for i, lab in enumerate(labels)]  # the reference
+    run = _null_label_paths()[path]
+    if path == "PackedDataset(table)" and len(nulls) == 3:
+        pytest.skip("an all-null column of a Table built from a Dataset is the same Table")
+    got = run(datasets.Dataset.from_dict({"input_ids": ids, "labels": given}))
+    want = run(datasets.Dataset.from_dict({"input_ids": ids, "labels": explicit}))
+    assert got == want
+
+
+def test_a_null_label_inside_a_labels_list_is_still_refused():
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict({"input_ids": [[1, 2], [3, 4]], "labels": [None, [1, None]]})
+    with pytest.raises(ValueError, match="row 1 holds a null"):
+        flexpack.data.PackedDataset(ds, 8)

@@ -130,3 +130,14 @@ def test_every_page_is_found():
     names = {page_id(p) for p in PAGES}
     assert {"README.md", "docs/masks.md", "docs/trees.md", "docs/streaming.md"} <= names
     assert importlib.util.find_spec("flexpack") is not None
+
+
+def test_docs_say_trls_packing_default_as_trl_has_it(tmp_path):
+    # docs/integrations.md said TRL's default is packing=True; TRL 1.16's is False.
+    from pathlib import Path
+
+    trl = pytest.importorskip("trl")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "integrations.md").read_text()
+    default = trl.SFTConfig(output_dir=str(tmp_path), use_cpu=True).packing
+    assert f"`packing={default}` is TRL's default" in page
+    assert "TRL's defaults: `packing=True`" not in page

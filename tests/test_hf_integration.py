@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 from _rows import documents
+from _rows import qkv as _qkv
 
 import flexpack
+from flexpack import masks as fm
+from flexpack.testing.references import reference_attention
 
 transformers = pytest.importorskip("transformers")
 
@@ -202,6 +206,32 @@ def test_clear_errors():
     assert "flexpack" in transformers.AttentionInterface._global_mapping
 
 
+@pytest.mark.parametrize("big", [2**31, 2**32])
+def test_transformers_forward_keeps_int64_doc_ids(big):
+    # _doc_ids cast to int32: 2**32 merged with document 0, 2**31 wrapped negative (padding).
+    from flexpack.integrations.transformers import flexpack_attention_forward
+
+    d = torch.tensor([[0, 0, big, big, big, 1]])  # (an id in two runs is refused: 1, not 0)
+    q, k, v = _qkv(1, 6)
+    out, _ = flexpack_attention_forward(torch.nn.Module(), q, k, v, None, doc_ids=d)
+    ref = reference_attention(q, k, v, fm.document(d) & fm.causal())
+    torch.testing.assert_close(out.transpose(1, 2), ref)
+
+
+def test_gpt2_dropout_refusal_names_attn_pdrop():
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    config = transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=2, n_positions=16, attn_pdrop=0.1,
+        attn_implementation=register(),
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).train()
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    with pytest.raises(ValueError, match=r"set the config's attn_pdrop to 0\.0"):
+        model(**packed_forward_kwargs(batch))
+
+
 def test_mask_cache_keeps_one_mask_per_causal_and_window(monkeypatch):
     """Alternating sliding and full layers (Gemma, Mistral-style) build each mask once."""
     from flexpack.integrations import transformers as hf
@@ -217,3 +247,68 @@ def test_mask_cache_keeps_one_mask_per_causal_and_window(monkeypatch):
     pos.add_(0)  # an in-place edit (new version) invalidates the cache
     hf._mask_for(pos.device, 1, 8, None, None, None, pos, True, None)
     assert len(built) == 4
+
+
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import register
+
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        attn_implementation=register(),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def test_transformers_position_ids_written_through_numpy_are_seen():
+    model = _tiny_llama()
+    input_ids = torch.arange(1, 9)[None]
+    first, second = np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), np.array([[0, 1, 2, 0, 1, 2, 3, 4]])
+    buf = first.copy()
+    pos = torch.from_numpy(buf)
+    with torch.no_grad():
+        model(input_ids, position_ids=pos)
+        buf[:] = second
+        got = model(input_ids, position_ids=pos).logits
+        want = model(input_ids, position_ids=torch.from_numpy(second.copy())).logits
+        pos.data[:] = torch.from_numpy(first)
+        got_first = model(input_ids, position_ids=pos).logits
+        want_first = model(input_ids, position_ids=torch.from_numpy(first.copy())).logits
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_first, want_first)
+
+
+def test_transformers_forward_and_generate_under_inference_mode():
+    model = _tiny_llama()
+    input_ids = torch.arange(1, 9)[None]
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        want = model(input_ids, position_ids=pos).logits
+        want_gen = model.generate(input_ids[:, :3], max_new_tokens=3, do_sample=False)
+    with torch.inference_mode():
+        got = model(input_ids, position_ids=pos).logits
+        got_gen = model.generate(input_ids[:, :3], max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got_gen, want_gen)
+
+
+def test_packed_forward_kwargs_given_a_model_warns_without_flexpack_attention():
+    transformers = pytest.importorskip("transformers")
+    import warnings
+
+    from flexpack.integrations.transformers import packed_forward_kwargs
+
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa",
+    )  # fmt: skip
+    sdpa = transformers.LlamaForCausalLM(config)
+    with pytest.warns(UserWarning, match="packed_forward_kwargs: .*'sdpa'.*attend to each other"):
+        packed_forward_kwargs(batch, model=sdpa)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        packed_forward_kwargs(batch, model=_tiny_llama())
+        packed_forward_kwargs(batch)  # no model: nothing to check

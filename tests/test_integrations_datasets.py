@@ -207,3 +207,12 @@ def test_every_pack_dataset_path_agrees_with_the_samples(case, view):
     got = sorted((t, lab) for t, lab, pos in _docs_of(ref) if pos == list(range(len(t))))
     want = sorted((x, [-100, *lab[1:]]) for x, lab in zip(ids, labels, strict=True))
     assert got == want
+
+
+def test_pack_dataset_of_only_empty_samples_says_so():
+    datasets = pytest.importorskip("datasets")
+    from flexpack.integrations.datasets import pack_dataset
+
+    ds = datasets.Dataset.from_dict({"input_ids": [[], []]})
+    with pytest.raises(ValueError, match="every sample is empty"):
+        pack_dataset(ds, max_len=8)

@@ -3,7 +3,10 @@
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
+import flexpack
 from flexpack import PackedLayout
 
 
@@ -272,3 +275,42 @@ def test_from_cu_seqlens_empty_document_keeps_ids_dense():
     assert two_rows.doc_ids.tolist() == [[0, 0, -1], [0, 1, -1]]
     assert two_rows == PackedLayout.from_seqlens([[2], [1, 1]], 3)
     assert two_rows.doc_ids.dtype == torch.int32
+
+
+@pytest.mark.parametrize(
+    ("dtype", "eos_id"),
+    [(torch.int32, 2**32 + 2), (torch.uint8, 258), (torch.uint8, -1), (torch.int64, 2**64 + 2)],
+)
+def test_from_eos_refuses_an_eos_id_the_dtype_cannot_hold(dtype, eos_id):
+    # The comparison wrapped: int32 ids and 2**32 + 2 split at token 2 (uint8 and 258, -1 and
+    # 255 likewise); 2**64 + 2 was a bare OverflowError.
+    x = torch.tensor([[5, 2, 7, 255, 8]]).to(dtype)
+    with pytest.raises(ValueError, match=rf"eos_id={eos_id} cannot occur in input_ids of dtype"):
+        flexpack.PackedLayout.from_eos(x, eos_id)
+    ref = flexpack.PackedLayout.from_eos(x.long(), 2).doc_ids
+    assert torch.equal(flexpack.PackedLayout.from_eos(x, 2).doc_ids, ref)
+
+
+_INT_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+
+
+@given(data=st.data())
+def test_property_from_eos_matches_a_python_reference_or_refuses(data):
+    # The reference counts, in Python ints (no wrapping), the EOS tokens strictly before each
+    # token; an eos_id the dtype cannot hold is refused instead of compared with wrapping.
+    dtype = data.draw(st.sampled_from(_INT_DTYPES))
+    info = torch.iinfo(dtype)
+    row = data.draw(st.lists(st.integers(info.min, info.max), min_size=1, max_size=12))
+    eos = data.draw(
+        st.one_of(st.sampled_from(row), st.integers(-(2**65), 2**65), st.integers(-3, 300))
+    )
+    x = torch.tensor([row], dtype=torch.int64).to(dtype)
+    if not info.min <= eos <= info.max:
+        with pytest.raises(ValueError, match="cannot occur in input_ids"):
+            flexpack.PackedLayout.from_eos(x, eos)
+        return
+    want, seen = [], 0
+    for t in row:
+        want.append(seen)
+        seen += t == eos
+    assert flexpack.PackedLayout.from_eos(x, eos).doc_ids.tolist() == [want]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flexpack
 from flexpack import packed_cross_entropy
 
 V = 11
@@ -188,3 +189,19 @@ def test_bf16_logits_are_upcast():
 def test_bad_input(logits, labels, doc_ids, kwargs, error, match):
     with pytest.raises(error, match=match):
         packed_cross_entropy(logits, labels, doc_ids, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.uint32, torch.uint64])
+def test_packed_cross_entropy_takes_unsigned_doc_ids(dtype):
+    # uint32/uint64 doc ids were a NotImplementedError ("ge_cpu") from inside torch.
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 6, 5, generator=g)
+    labels = torch.tensor([[-100, 1, 2, -100, 3, 4]])
+    d = torch.tensor([[0, 0, 0, 7, 7, 7]])
+    for reduction in ("token", "document"):
+        want = flexpack.packed_cross_entropy(logits, labels, d, reduction=reduction)
+        got = flexpack.packed_cross_entropy(logits, labels, d.to(dtype), reduction=reduction)
+        torch.testing.assert_close(got, want)
+    if dtype == torch.uint64:
+        with pytest.raises(ValueError, match=r"2\*\*63"):
+            flexpack.packed_cross_entropy(logits, labels, torch.full((1, 6), 2**63, dtype=dtype))

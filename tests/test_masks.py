@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _rows import qkv as _qkv
 from torch.nn.attention.flex_attention import and_masks, create_block_mask, or_masks
 
 import flexpack
 from flexpack import masks
+from flexpack import masks as fm
 from flexpack.testing import assert_block_mask_matches
+from flexpack.testing.references import dense_mask, reference_attention
 
 D = torch.tensor([[0, 0, 0, 1, 1, 2, -1, -1], [0, 1, 1, 1, 1, 1, 1, -1]], dtype=torch.int32)
 
@@ -131,6 +134,16 @@ def test_unsigned_doc_ids_are_ids_like_any_other() -> None:
         assert_block_mask_matches(m.block_mask(block_size=2), masks.document(d) & masks.causal())
 
 
+def test_mask_factories_refuse_uint64_doc_ids_past_int64():
+    # uint64 ids >= 2**63 wrapped to negative int64, i.e. padding; PackedLayout refuses them.
+    d = torch.tensor([0, 2**63, 2**63], dtype=torch.uint64)
+    for make in (fm.document, fm.padding, lambda x: fm.tree(x, torch.tensor([-1]))):
+        with pytest.raises(ValueError, match=r"2\*\*63"):
+            make(d)
+    ok = fm.document(torch.tensor([0, 5, 5], dtype=torch.uint64))
+    assert ok.doc_ids.dtype == torch.int64 and ok.doc_ids.tolist() == [[0, 5, 5]]
+
+
 # ----------------------------------------------------------------------------- bad input
 
 
@@ -251,6 +264,31 @@ def test_a_mask_keeps_its_own_copy_of_doc_ids() -> None:
     dense = flexpack.attention(q, k, v, m | ~masks.padding(D), backend="sdpa")  # dense path
     ref = flexpack.attention(q, k, v, want | ~masks.padding(D), backend="sdpa")
     torch.testing.assert_close(dense, ref)
+
+
+@pytest.mark.parametrize("kind", ["document_causal", "tree"])
+def test_mask_doc_ids_edited_in_place_is_refused_on_every_path(kind):
+    # mask.doc_ids was public and writable: SDPA and the BlockMask tables read the edit while
+    # mask_mod read a snapshot (max diff 2.1). Now an edit is refused wherever the ids are read.
+    d = torch.tensor([[0, 0, 0, 1, 1, 1]])
+    if kind == "tree":
+        m = fm.tree(d, torch.tensor([[-1, 0]]))
+    else:
+        m = fm.document(d) & fm.causal()
+    q, k, v = _qkv(1, 6)
+    before = flexpack.attention(q, k, v, m)
+    torch.testing.assert_close(before, reference_attention(q, k, v, m))
+    m.doc_ids[0, 2] = 1
+    for use in (
+        lambda: flexpack.attention(q, k, v, m),
+        lambda: m.block_mask(block_size=2),
+        lambda: dense_mask(m),
+        lambda: m.doc_ids,
+    ):
+        with pytest.raises(ValueError, match="in place"):
+            use()
+    with pytest.raises(AttributeError):
+        m.doc_ids = d
 
 
 def test_attention_on_an_empty_batch_is_empty() -> None:

@@ -131,6 +131,22 @@ def test_bidirectional_flag_with_a_causal_mask_runs_causal():
     assert _worst(model, reference, packed_forward_kwargs(batch), batch) < 1e-4
 
 
+def test_gemma3_bidirectional_refusal_names_the_flag_not_a_window():
+    transformers = pytest.importorskip("transformers")
+    from flexpack.integrations.transformers import packed_forward_kwargs, register
+
+    config = transformers.Gemma3TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        use_bidirectional_attention=True, attn_implementation=register(),
+    )  # fmt: skip
+    model = transformers.Gemma3ForCausalLM(config).eval()
+    batch = flexpack.pack_sequences([[1, 2, 3], [4, 5]], max_len=8)
+    with pytest.raises(ValueError, match="use_bidirectional_attention=True") as e:
+        model(**packed_forward_kwargs(batch))
+    assert "(3)" not in str(e.value)
+
+
 def test_adapt_fails_closed_on_a_mixer_no_room_recognises(monkeypatch):
     """transformers 5.25 moved the seam the rooms read (kernel functions became module
     instances): every room then matched nothing and adapt() returned a leaking Mamba. A stateful

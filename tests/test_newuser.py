@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -57,3 +58,23 @@ def test_demo_says_what_it_loads(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "loading the compiled packer" in out
     assert out.index("loading the compiled packer") < out.index("packed and materialized")
+
+
+def test_the_hf_extra_installs_what_the_trainer_blocks_need():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    hf = re.search(r"^hf = \[(.*)\]$", (root / "pyproject.toml").read_text(), re.M).group(1)
+    assert "Trainer(" in (root / "docs" / "vlm.md").read_text()
+    assert "transformers" in hf and "accelerate" in hf  # transformers.Trainer imports accelerate
+
+
+def test_readme_offers_the_quick_demo_and_says_how_long_things_take():
+    from pathlib import Path
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "flexpack demo --docs 64" in text
+    assert (
+        re.search(r"takes about \d+ minutes idle", text) and "45 minutes on a busy machine" in text
+    )

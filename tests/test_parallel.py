@@ -369,6 +369,13 @@ def test_bad_shard_input_says_what_and_how(call, error, words) -> None:
     assert words in str(info.value)
 
 
+def test_shard_context_names_ragged_rows():
+    from flexpack.parallel import shard_context
+
+    with pytest.raises(ValueError, match=r"rows of lengths \[3, 1\].*Pad the shorter rows"):
+        shard_context([[0, 0, 1], [1]], 1, 0)
+
+
 def test_bad_attention_input_says_what_and_how() -> None:
     d = torch.tensor([[0, 0, 0, 1]])
     one, two = shard_context(d, 1, 0), shard_context(d, 2, 0)

@@ -4,7 +4,8 @@ An id that names two separate runs of a row (``[0, 0, 1, 1, 0, 0]``: one documen
 refused with one ValueError, word for word, by the layout, the mask factories, attention, the
 losses and context parallelism; ids whose every id is one run are accepted by all of them, and
 ``PackedLayout.from_runs`` is the fix the message names. On a (fake) GPU the masks leave the check
-to the host sync their first use makes, so a call still syncs at most once.
+to the host sync their first use makes, so a call still syncs at most once. A model's forward
+(transformers, attention and flexpack.mixers alike) and its loss helper refuse the same ids.
 """
 
 from __future__ import annotations
@@ -17,10 +18,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import flexpack
+import flexpack.mixers as fm
 from flexpack import masks
 from flexpack.layout import PackedLayout, _check_runs
 from flexpack.parallel import ContextShard, context_parallel_attention, shard_context
 from flexpack.testing import strategies as fst
+
+try:  # the model forwards at the end need transformers (extra hf)
+    import _zoo
+except ImportError:
+    _zoo = None
 
 SPLIT = torch.tensor([[0, 0, 1, 1, 0, 0]])  # id 0 at positions 0-1 and 4-5
 
@@ -177,3 +184,41 @@ def test_on_the_gpu_accepted_ids_cost_no_extra_sync(fake_cuda):
     assert len(syncs) <= 1, syncs  # the label check's sync carries it
     with pytest.raises(ValueError, match="doc id 0 names two separate runs"):
         flexpack.packed_cross_entropy(logits, labels, fake_cuda.to(SPLIT))
+
+
+# ----------------------------------------------------------------------------- model forwards
+
+SPLIT_ROW = [[0, 0, 0, 1, 1, 0, 0, 0]]  # id 0 at positions 0-2 and 5-7
+needs_transformers = pytest.mark.skipif(_zoo is None, reason="needs transformers (extra hf)")
+
+
+def _model(kind: str, attn_implementation: str = "eager"):
+    """The tiny model of a mixer kind from tests/test_mixers.py (imported when called: that
+    module needs transformers)."""
+    import test_mixers
+
+    return test_mixers._model(kind, attn_implementation)
+
+
+@needs_transformers
+@pytest.mark.parametrize("kind", [None, "mamba", "short_conv"])
+def test_one_id_in_two_runs_of_a_row_is_refused_everywhere(kind):
+    """Attention, loss and the ring joined the runs into one document, the mixers restarted
+    their state at the second run (Mamba 5.8e-4 apart): one rule now, PackedLayout's."""
+    from flexpack.integrations.transformers import packed_causal_lm_loss, register
+
+    if kind is None:
+        model = _zoo.build("llama")[0]
+    else:
+        model = fm.adapt(_model(kind, register()))
+    doc_ids = torch.tensor(SPLIT_ROW)
+    ids = torch.randint(3, 64, doc_ids.shape)
+    match = r"doc_ids: doc id 0 names two separate runs of row 0 \(at positions 0 and 5"
+    with pytest.raises(ValueError, match=match):
+        model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
+    with pytest.raises(ValueError, match="Give each run its own id"):
+        packed_causal_lm_loss(model, {"input_ids": ids, "doc_ids": doc_ids, "labels": ids})
+    with pytest.raises(ValueError, match="seq_idx: doc id 0 names two separate runs"):
+        model(input_ids=ids, seq_idx=doc_ids, use_cache=False)
+    renumbered = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])  # the fix the message names
+    assert torch.isfinite(model(input_ids=ids, doc_ids=renumbered, use_cache=False).logits).all()

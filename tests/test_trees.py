@@ -280,6 +280,28 @@ def test_pack_trees_errors():
         batch.gather_logps(torch.zeros(1, 5, 8))
 
 
+@pytest.mark.parametrize("token", [-1, 16])
+def test_gather_logps_names_a_token_outside_the_vocabulary(token):
+    # A negative token silently read vocabulary entry V - 1; a token >= V was a raw IndexError.
+    # pack_trees refuses a negative one already; gather_logps still checks the range.
+    if token < 0:
+        with pytest.raises(ValueError, match="token id -1; token ids are vocabulary indices"):
+            flexpack.pack_trees([([5, 6, 7], [[8, token], [4]])], max_len=8)
+        return
+    b = flexpack.pack_trees([([5, 6, 7], [[8, token], [4]])], max_len=8)
+    with pytest.raises(ValueError, match=rf"token {token} .*\[0, 16\)"):
+        b.gather_logps(torch.zeros(1, 8, 16))
+
+
+def test_pack_trees_refuses_negative_token_and_pad_ids_as_pack_sequences_does():
+    with pytest.raises(ValueError, match=r"groups\[0\].*token id -3"):
+        flexpack.pack_trees([([1, 2], [[3, -3]])], 8)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        flexpack.pack_trees([([1, 2], [[3]])], 8, pad_id=-1)
+    with pytest.raises(ValueError, match="pad_id must be a token id"):
+        flexpack.pack_sequences([[1, 2]], 8, pad_id=-1)
+
+
 def test_tree_mask_errors():
     seg = torch.tensor([[0, 0, 1, 2, -1]])
     with pytest.raises(ValueError, match="depth-first order"):
@@ -295,6 +317,15 @@ def test_tree_mask_errors():
         fm.tree(seg, torch.tensor([[-1.0, 0.0, 0.0]]))
     with pytest.raises(TypeError, match=r"segment_ids must be a torch\.Tensor"):
         fm.tree([0, 1], torch.tensor([-1, 0]))
+
+
+def test_tree_parent_of_segment_zero_names_no_empty_range():
+    # "an earlier segment 0..-1" for segment 0.
+    with pytest.raises(ValueError, match=r"parent of segment 0 must be -1: it is a root") as e:
+        fm.tree(torch.tensor([0, 0, 1]), torch.tensor([0, 0]))
+    assert "0..-1" not in str(e.value)
+    with pytest.raises(ValueError, match=r"an earlier segment 0\.\.0"):
+        fm.tree(torch.tensor([0, 0, 1]), torch.tensor([-1, 1]))
 
 
 def test_tree_mask_of_a_forest_without_children_is_document_causal():

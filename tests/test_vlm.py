@@ -368,6 +368,21 @@ def test_bad_inputs_say_what_was_expected():
                             pack_multimodal([s], 16, model=model)[0]])  # fmt: skip
 
 
+def test_pack_multimodal_warns_for_a_model_without_flexpack_attention():
+    pytest.importorskip("transformers")
+    import warnings
+
+    from test_vlm import qwen_samples, tiny_qwen
+
+    from flexpack.integrations.transformers import pack_multimodal, register
+
+    with pytest.warns(UserWarning, match=r"attn_implementation='sdpa'.*register\(\)"):
+        pack_multimodal(qwen_samples(), 48, model=tiny_qwen("sdpa"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pack_multimodal(qwen_samples(), 48, model=tiny_qwen(register()))
+
+
 # ----------------------------------------------------------------------------- properties
 
 

@@ -1,32 +1,33 @@
-"""Red-team regressions (issue 37): silent edges of hybrid models and packed rows.
+"""The rows a training loop hands a hybrid or MoE model, beyond a packed batch with doc ids.
 
-Each test failed on the code before its fix: rows described by ``position_ids`` alone on models
-whose layers do not hand them to attention (Llama 4, ZAYA), caches beside padding-only rows,
-gradient checkpointing across two forwards, one id naming two runs of a row, tensor subclasses
-as doc ids, the router aux loss of packed SFT, and a property test of every mixer room on random
-layouts. Results are pinned against each document run alone; errors against the message a user
-needs.
+Rows described by ``position_ids`` alone on models whose layers do not hand them to attention
+(Llama 4, ZAYA), 3-D (mRoPE) positions into a text model, a cache (``use_cache`` left at its
+default) beside a padding-only row, a data-parallel rank's all-padding filler batch, gradient
+checkpointing across two forwards before one backward, the router's load-balancing loss of
+packed SFT, and a property over every mixer room on random layouts. Each test failed on the code
+before its fix. Results are pinned against each document run alone; errors against the message a
+user needs.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import flexpack
 import flexpack.integrations.transformers  # registers the rooms' exact kinds
 import flexpack.mixers as fm
 
 transformers = pytest.importorskip("transformers")
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _zoo  # noqa: E402
-from test_mixers import FAMILIES, ONE_PASS_FLOAT64, _model, positions  # noqa: E402
+from _rows import random_rows as _rows_of  # noqa: E402
+from test_mixers import FAMILIES, ONE_PASS_FLOAT64, _first, _model, positions  # noqa: E402
 
-# ----------------------------------------------------------------------------- 1. position_ids
+# ----------------------------------------------------------------------------- position_ids
 
 
 @pytest.mark.parametrize("model_type", ["llama4_text", "zaya", "kimi_linear", "bailing_hybrid"])
@@ -47,29 +48,23 @@ def test_position_ids_only_rows_are_exact_where_layers_drop_them(model_type):
         torch.testing.assert_close(out[0, a:b], want, rtol=0, atol=1e-4)
 
 
-# ----------------------------------------------------------------------------- 2. caches
+def test_mrope_position_ids_without_doc_ids_into_a_text_model():
+    """3-D (mRoPE) position_ids (3, B, S) without doc_ids: a raw `expand` RuntimeError before;
+    the first (temporal) row of positions starts the documents."""
+    from flexpack.integrations.transformers import register
+
+    model = _model("gated_delta_rule", register())
+    reference = _model("gated_delta_rule")
+    ids, _, docs, spans = _rows_of([[7, 11]], S=18)
+    pos = torch.cat([torch.arange(7), torch.arange(11)])[None]  # (1, S)
+    with torch.no_grad():
+        out = model.model(input_ids=ids, position_ids=pos.expand(3, 1, -1), use_cache=False)
+        for (b, a, e), doc in zip(spans, docs, strict=True):
+            want = reference.model(input_ids=doc[None], use_cache=False).last_hidden_state[0]
+            torch.testing.assert_close(out.last_hidden_state[b, a:e], want, rtol=0, atol=1e-4)
 
 
-def _docs(lengths, seed: int = 0, vocab: int = 64) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, vocab, (n,), generator=g) for n in lengths]
-
-
-def _rows_of(layout: list[list[int]], S: int, seed: int = 0):
-    """(input_ids, doc_ids, docs, spans) of rows given as per-row document lengths (right
-    padding; an empty row is all padding)."""
-    docs = _docs([n for row in layout for n in row], seed)
-    ids = torch.zeros(len(layout), S, dtype=torch.long)
-    doc_ids = torch.full((len(layout), S), -1, dtype=torch.int32)
-    spans, k = [], 0
-    for b, row in enumerate(layout):
-        at = 0
-        for j, n in enumerate(row):
-            ids[b, at : at + n] = docs[k]
-            doc_ids[b, at : at + n] = j
-            spans.append((b, at, at + n))
-            at, k = at + n, k + 1
-    return ids, doc_ids, docs, spans
+# ----------------------------------------------------------------------------- padding
 
 
 @pytest.mark.parametrize("kind", ["gated_delta_rule", "mamba", "short_conv"])
@@ -87,9 +82,6 @@ def test_a_cache_beside_a_padding_only_row_keeps_documents_apart(kind):
         for (b, a, e), doc in zip(spans, docs, strict=True):
             want = reference(input_ids=doc[None], use_cache=False).logits[0]
             torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-6)
-
-
-# ----------------------------------------------------------------------------- 7. all padding
 
 
 @pytest.mark.parametrize("kind", sorted(FAMILIES))
@@ -115,60 +107,7 @@ def test_an_all_padding_batch_runs_and_gives_zeros_in_the_mixers(kind):
     assert any(p.grad is not None for p in mixer.parameters())
 
 
-# ----------------------------------------------------------------------------- 4. split runs
-
-SPLIT = [[0, 0, 0, 1, 1, 0, 0, 0]]
-
-
-@pytest.mark.parametrize("kind", [None, "mamba", "short_conv"])
-def test_one_id_in_two_runs_of_a_row_is_refused_everywhere(kind):
-    """Attention, loss and the ring joined the runs into one document, the mixers restarted
-    their state at the second run (Mamba 5.8e-4 apart): one rule now, PackedLayout's."""
-    from flexpack.integrations.transformers import packed_causal_lm_loss, register
-
-    if kind is None:
-        model = _zoo.build("llama")[0]
-    else:
-        model = fm.adapt(_model(kind, register()))
-    doc_ids = torch.tensor(SPLIT)
-    ids = torch.randint(3, 64, doc_ids.shape)
-    match = r"doc_ids: doc id 0 names two separate runs of row 0 \(at positions 0 and 5"
-    with pytest.raises(ValueError, match=match):
-        model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
-    with pytest.raises(ValueError, match="Give each run its own id"):
-        packed_causal_lm_loss(model, {"input_ids": ids, "doc_ids": doc_ids, "labels": ids})
-    with pytest.raises(ValueError, match="seq_idx: doc id 0 names two separate runs"):
-        model(input_ids=ids, seq_idx=doc_ids, use_cache=False)
-    renumbered = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])  # the fix the message names
-    assert torch.isfinite(model(input_ids=ids, doc_ids=renumbered, use_cache=False).logits).all()
-
-
-# ----------------------------------------------------------------------------- 5. subclasses
-
-
-class _Ids(torch.Tensor):
-    """A tensor subclass a data pipeline might hand over as doc ids."""
-
-
-def test_a_write_through_data_on_a_tensor_subclass_is_seen():
-    """The cached mask was reused after ``ids.data[...] = ...`` on a subclass (0.79 off)."""
-    from flexpack.integrations.transformers import flexpack_attention_forward
-    from flexpack.testing.references import reference_attention
-
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.float64, generator=g) for _ in range(3))
-    ids = torch.tensor([[0, 0, 0, 0, 0, 0, 0, 0]]).as_subclass(_Ids)
-    module = torch.nn.Module()
-    flexpack_attention_forward(module, q, k, v, None, doc_ids=ids)
-    ids.data[0, 4:] = 1  # no version bump
-    got, _ = flexpack_attention_forward(module, q, k, v, None, doc_ids=ids)
-    d = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    allowed = (d[:, None] == d[None, :]) & torch.ones(8, 8, dtype=torch.bool).tril()
-    want = reference_attention(q, k, v, allowed[None, None])
-    torch.testing.assert_close(got.transpose(1, 2), want)
-
-
-# ----------------------------------------------------------------------------- 3. checkpointing
+# ----------------------------------------------------------------------------- checkpointing
 
 
 def _two_forwards_grads(model, calls) -> dict[str, torch.Tensor]:
@@ -202,7 +141,7 @@ def test_checkpointed_recompute_uses_its_own_forwards_documents(other, reentrant
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-# ----------------------------------------------------------------------------- 6. router aux loss
+# ----------------------------------------------------------------------------- router aux loss
 
 
 def test_router_aux_loss_over_packed_rows_leaves_padding_out():
@@ -251,10 +190,8 @@ def test_router_aux_loss_over_packed_rows_leaves_padding_out():
         other(**packed_forward_kwargs(batch, labels=True, model=other))
 
 
-# ----------------------------------------------------------------------------- 8. property
+# ----------------------------------------------------------------------------- property
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 S_PROP = 12  # fixed tiny shapes: two rows of 12 tokens
 _MIXERS: dict[str, tuple] = {}
@@ -343,48 +280,3 @@ def test_every_room_on_random_layouts_equals_each_document_alone(kind, layout):
         whole.eval()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
-
-
-def _first(out):
-    return out[0] if isinstance(out, tuple) else out
-
-
-# ----------------------------------------------------------------------------- 7. the rest
-
-
-def test_mrope_position_ids_without_doc_ids_into_a_text_model():
-    """3-D (mRoPE) position_ids (3, B, S) without doc_ids: a raw `expand` RuntimeError before;
-    the first (temporal) row of positions starts the documents."""
-    from flexpack.integrations.transformers import register
-
-    model = _model("gated_delta_rule", register())
-    reference = _model("gated_delta_rule")
-    ids, _, docs, spans = _rows_of([[7, 11]], S=18)
-    pos = torch.cat([torch.arange(7), torch.arange(11)])[None]  # (1, S)
-    with torch.no_grad():
-        out = model.model(input_ids=ids, position_ids=pos.expand(3, 1, -1), use_cache=False)
-        for (b, a, e), doc in zip(spans, docs, strict=True):
-            want = reference.model(input_ids=doc[None], use_cache=False).last_hidden_state[0]
-            torch.testing.assert_close(out.last_hidden_state[b, a:e], want, rtol=0, atol=1e-4)
-
-
-@pytest.mark.parametrize("kind", ["short_conv", "gated_delta_rule"])
-def test_swap_tensors_on_doc_ids_after_a_call(kind):
-    """torch.utils.swap_tensors refused doc ids flexpack had read ("has weakref associated with
-    it": the caches' stamps held weak references to them). The stamps hold the storage's now:
-    the swap runs, and the next call sees the swapped-in layout."""
-    from flexpack.integrations.transformers import register
-
-    model = _model(kind, register())
-    reference = _model(kind)
-    ids, doc_ids, _, _ = _rows_of([[7, 11]], S=18)
-    with torch.no_grad():
-        model(input_ids=ids, doc_ids=doc_ids, use_cache=False)
-        _, other, docs, spans = _rows_of([[12, 6]], S=18)
-        ids = torch.cat(docs)[None]
-        torch.utils.swap_tensors(doc_ids, other)  # no clear_caches() first
-        assert torch.equal(doc_ids[0, 11:13], torch.tensor([0, 1], dtype=torch.int32))
-        out = model(input_ids=ids, doc_ids=doc_ids, use_cache=False).logits
-        for (b, a, e), doc in zip(spans, docs, strict=True):
-            want = reference(input_ids=doc[None], use_cache=False).logits[0]
-            torch.testing.assert_close(out[b, a:e], want, rtol=0, atol=1e-4)
