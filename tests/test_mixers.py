@@ -374,6 +374,17 @@ def test_a_short_conv_that_behaves_otherwise_keeps_the_per_group_path():
         torch.testing.assert_close(out[b, a:e], want[0], rtol=0, atol=1e-10)
 
 
+def test_short_conv_yields_to_every_kind_that_also_calls_the_conv():
+    """A gated delta net or a Mamba mixer calls causal_conv1d_fn too: the short conv's room
+    refuses the scans of those kinds (it names them itself, not importing their rooms), even
+    where their room is not asked (tests/test_model_seams.py blinds the Mamba room)."""
+    from flexpack.mixers import conv, delta, ssm
+
+    theirs = frozenset().union(*(r.functions for r in (*delta.ROOMS, *ssm.ROOMS)))
+    assert conv.SHORT_CONV.excludes == theirs
+    assert not conv.SHORT_CONV.functions & theirs
+
+
 def test_plan_taps_stay_inside_documents():
     ids = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 1, 1]])
     taps = DocumentPlan.from_doc_ids(ids).taps(4)

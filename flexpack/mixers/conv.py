@@ -23,7 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flexpack.mixers import _one_pass, delta, ssm
+from flexpack.mixers import _one_pass
+from flexpack.mixers._conv_ops import _depthwise, _masked_conv
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
 from flexpack.mixers._tree import TreePlan
@@ -34,47 +35,6 @@ def _cca(module: torch.nn.Module) -> bool:
     return isinstance(conv, torch.nn.Conv1d) and isinstance(
         getattr(module, "v_proj_delayed", None), torch.nn.Linear
     )
-
-
-def _depthwise(module: torch.nn.Module) -> torch.nn.Conv1d | None:
-    """The module's ``conv`` when its structure is the short conv's: ``in_proj`` and
-    ``out_proj`` submodules beside a causal depthwise ``Conv1d`` (groups == channels, stride
-    and dilation 1, zero padding of kernel - 1) whose weights are not offloaded."""
-    conv = getattr(module, "conv", None)
-    if not (
-        isinstance(conv, torch.nn.Conv1d)
-        and isinstance(getattr(module, "in_proj", None), torch.nn.Module)
-        and isinstance(getattr(module, "out_proj", None), torch.nn.Module)
-    ):
-        return None
-    channels, kernel = conv.in_channels, conv.kernel_size[0]
-    if (
-        conv.out_channels != channels
-        or conv.groups != channels
-        or conv.stride != (1,)
-        or conv.dilation != (1,)
-        or conv.padding_mode != "zeros"
-        or conv.padding != (kernel - 1,)
-        or getattr(conv, "_hf_hook", None) is not None  # accelerate moves its weights
-    ):
-        return None
-    return conv
-
-
-def _masked_conv(conv: torch.nn.Conv1d, u: Tensor, plan: DocumentPlan | TreePlan) -> Tensor:
-    """``conv`` over ``u`` (B, C, S) as ``causal_conv1d_fn`` computes it, with each tap that
-    ``plan.taps`` (K, B, S) bool marks False left out: sum over j of u[t - j] * w[K - 1 - j];
-    on tree rows u[t - j] is t's j-th predecessor on its path (``plan.shift``)."""
-    weight = conv.weight[:, 0]  # (C, K)
-    K, S = weight.shape[-1], u.shape[-1]
-    taps = plan.taps(K)
-    v = u.to(weight.dtype)  # as causal_conv1d_fn: the weights' dtype, back to u's at the end
-    y = v * weight[:, K - 1, None] * taps[0, :, None].to(v.dtype)
-    for j in range(1, min(K, S)):
-        y = y + plan.shift(v, j) * weight[:, K - 1 - j, None] * taps[j, :, None].to(v.dtype)
-    if conv.bias is not None:
-        y = y + conv.bias[:, None]
-    return y.to(u.dtype)
 
 
 def short_conv_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tensor:
@@ -105,11 +65,22 @@ def _fits(module: torch.nn.Module, x: Tensor) -> bool:
     return conv is not None and x.shape[-1] == conv.in_channels
 
 
+# The kernel-mapped scans of the kinds whose mixers call causal_conv1d_fn too (delta.py's gated
+# delta rule and KDA, ssm.py's Mamba2 and Mamba): a module that calls one is theirs, never a short
+# conv, whichever rooms are asked. Named here so that no kind imports another; tests/test_mixers.py
+# holds them equal to those rooms' functions.
+_SCANS_WITH_A_CONV = frozenset({
+    "torch_chunk_gated_delta_rule", "chunk_gated_delta_rule",  # delta.GATED_DELTA_RULE
+    "chunk_kimi_delta_attention", "chunk_kda",  # delta.KDA
+    "mamba2_chunk_scan", "mamba_chunk_scan_combined",  # ssm.MAMBA2
+    "mamba_selective_scan", "selective_scan_fn", "mamba_inner_fn",  # ssm.MAMBA
+})  # fmt: skip
+
 SHORT_CONV = Room(
     "short_conv",
     functions=frozenset({"causal_conv1d_fn"}),
     varlen={"seq_idx": "seq_idx"},
-    excludes=frozenset().union(*(r.functions for r in (*delta.ROOMS, *ssm.ROOMS))),
+    excludes=_SCANS_WITH_A_CONV,
     how="the window restarts per document: one pass over the rows with the taps across "
     "document starts masked (torch), else documents run apart; causal-conv1d's seq_idx (kernel)",
     one_pass=_one_pass.hook(short_conv_one_pass, _fits),

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpack.mixers import _one_pass
+from flexpack.mixers._conv_ops import _masked_conv
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
 from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
@@ -329,8 +330,6 @@ def gated_delta_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan)
     """
     from transformers.activations import ACT2FN
 
-    from flexpack.mixers.conv import _masked_conv
-
     B, S, _ = x.shape
     qkv, z, beta, a = _projections(module, x)
     mixed = _masked_conv(module.conv1d, qkv.transpose(1, 2), plan)
@@ -591,8 +590,6 @@ def kda_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> Tens
         (B, S, H), in the dtype ``module``'s own forward returns (autocast included).
     """
     from transformers.activations import ACT2FN
-
-    from flexpack.mixers.conv import _masked_conv
 
     B, S, _ = x.shape
     heads = (B, S, -1, module.head_dim)

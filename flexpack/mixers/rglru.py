@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpack.mixers import _one_pass
+from flexpack.mixers._conv_ops import _masked_conv
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room
 from flexpack.mixers._tree import ChunkLayout, TreePlan
+from flexpack.mixers.ssm import _selective_chunk, diagonal_scan, segment_starts
 
 
 def _rg_block(module: torch.nn.Module) -> bool:
@@ -94,8 +96,6 @@ def _gate(lru: torch.nn.Module, act: Tensor, weight: Tensor, bias: Tensor) -> Te
 def _lru_scan(log_a: Tensor, u: Tensor, segment: Tensor, chunk: int) -> Tensor:
     """h_t = exp(log_a_t) h_{t-1} + u_t over rows of documents (``segment`` (B, S): a value per
     document), from zero at each document start. (B, S, W) -> (B, S, W)."""
-    from flexpack.mixers.ssm import diagonal_scan, segment_starts
-
     ones = u.new_ones(*u.shape[:2], 1)
     return diagonal_scan(log_a[..., None], u[..., None], ones, segment_starts(segment), chunk)
 
@@ -103,7 +103,6 @@ def _lru_scan(log_a: Tensor, u: Tensor, segment: Tensor, chunk: int) -> Tensor:
 def _tree_lru_scan(log_a: Tensor, u: Tensor, plan: TreePlan, chunk: int) -> Tensor:
     """:func:`_lru_scan` over prefix-tree rows, each branch's state forked from the end of its
     parent segment (a log-decay of 0 on the layout's filling carries it through)."""
-    from flexpack.mixers.ssm import diagonal_scan
 
     def scan(log_a: Tensor, u: Tensor, layout: ChunkLayout) -> Tensor:
         start = torch.zeros(u.shape[:2], dtype=torch.bool, device=u.device)
@@ -156,9 +155,6 @@ def rglru_one_pass(
         >>> torch.allclose(out[:, 3:5], alone, atol=1e-5), out[0, 5].abs().max().item()
         (True, 0.0)
     """
-    from flexpack.mixers.conv import _masked_conv
-    from flexpack.mixers.ssm import _selective_chunk
-
     lru = module.rg_lru
     y_branch = module.act_fn(module.linear_y(x))  # (B, S, W)
     u = module.linear_x(x).transpose(1, 2)  # (B, W, S)

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpack.mixers import _one_pass
+from flexpack.mixers._conv_ops import _depthwise, _masked_conv
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, _closure, hub_functions
 from flexpack.mixers._tree import ChunkLayout, TreePlan, fork
@@ -53,14 +54,12 @@ def _mamba2_parts(module: torch.nn.Module) -> bool:
     """Is ``module`` built as transformers' Mamba2 mixers are: ``in_proj`` -> (gate, x B C, dt),
     a causal depthwise ``conv1d`` over x B C, the SSD scan from ``A_log``, ``dt_bias``, ``D``,
     a gated ``norm``, ``out_proj``?"""
-    from flexpack.mixers.conv import _depthwise  # conv.py imports this module
-
     sizes = [getattr(module, name, None) for name in _SIZES]
     if not all(isinstance(v, int) and v > 0 for v in sizes):
         return False
     heads, _, groups, state, inner, conv_dim, _ = sizes
     in_proj = getattr(module, "in_proj", None)
-    # conv.py's check of a causal depthwise conv between two projections, on conv1d
+    # the short conv's check of a causal depthwise conv between two projections, on conv1d
     conv = _depthwise(SimpleNamespace(conv=getattr(module, "conv1d", None), in_proj=in_proj,
                                       out_proj=getattr(module, "out_proj", None)))  # fmt: skip
     weight = getattr(in_proj, "weight", None)
@@ -222,8 +221,6 @@ def mamba2_one_pass(module: torch.nn.Module, x: Tensor, plan: DocumentPlan) -> T
         >>> torch.allclose(out[:, 3:5], mixer(x[:, 3:5]), atol=1e-5), out[0, 5].abs().max().item()
         (True, 0.0)
     """
-    from flexpack.mixers.conv import _masked_conv  # conv.py imports this module
-
     dtype, (batch, S, _) = x.dtype, x.shape
     heads, p, groups, n = module.num_heads, module.head_dim, module.n_groups, module.ssm_state_size
     inner = module.intermediate_size
@@ -306,14 +303,12 @@ def _mamba_parts(module: torch.nn.Module) -> bool:
     ``dt_layernorm``, ``b_layernorm``, ``c_layernorm``), ``dt_proj``, the selective scan from
     ``A_log`` (I, n) and ``D`` (I,), ``out_proj``? Zamba's mixer (per-head ``x_proj_weight``
     parameters: :func:`_zamba_parts`) and a quantised config (its ``dt_proj`` detour) are not."""
-    from flexpack.mixers.conv import _depthwise  # conv.py imports this module
-
     sizes = [getattr(module, name, None) for name in _MAMBA_SIZES]
     if not all(isinstance(v, int) and v > 0 for v in sizes):
         return False
     inner, state, rank = sizes
     in_proj, x_proj, dt_proj = (getattr(module, n, None) for n in ("in_proj", "x_proj", "dt_proj"))
-    # conv.py's check of a causal depthwise conv between two projections, on conv1d
+    # the short conv's check of a causal depthwise conv between two projections, on conv1d
     conv = _depthwise(SimpleNamespace(conv=getattr(module, "conv1d", None), in_proj=in_proj,
                                       out_proj=getattr(module, "out_proj", None)))  # fmt: skip
     weights = [getattr(m, "weight", None) for m in (in_proj, x_proj, dt_proj)]
@@ -482,8 +477,6 @@ def mamba_one_pass(
         >>> torch.allclose(out[:, 3:5], mixer(x[:, 3:5]), atol=1e-5), out[0, 5].abs().max().item()
         (True, 0.0)
     """
-    from flexpack.mixers.conv import _masked_conv  # conv.py imports this module
-
     dtype = x.dtype
     n, rank = module.ssm_state_size, module.time_step_rank
     h, gate = module.in_proj(x).chunk(2, dim=-1)  # (B, S, I) each
@@ -530,14 +523,12 @@ def _zamba_parts(module: torch.nn.Module) -> bool:
     channels ``x_proj_weight`` (h, r + 2n, p) -> dt, B, C, ``dt_proj_weight`` (h, p, r) and
     ``dt_proj_bias`` (h, p), the selective scan from ``A_log`` (h, p, n) and ``D`` (h, p),
     ``out_proj``?"""
-    from flexpack.mixers.conv import _depthwise  # conv.py imports this module
-
     sizes = [getattr(module, name, None) for name in _ZAMBA_SIZES]
     if not all(isinstance(v, int) and v > 0 for v in sizes):
         return False
     inner, state, rank, heads, p = sizes
     in_proj = getattr(module, "in_proj", None)
-    # conv.py's check of a causal depthwise conv between two projections, on conv1d
+    # the short conv's check of a causal depthwise conv between two projections, on conv1d
     conv = _depthwise(SimpleNamespace(conv=getattr(module, "conv1d", None), in_proj=in_proj,
                                       out_proj=getattr(module, "out_proj", None)))  # fmt: skip
     weight = getattr(in_proj, "weight", None)
@@ -634,8 +625,6 @@ def zamba_mamba_one_pass(
         >>> torch.allclose(out[:, 3:5], mixer(x[:, 3:5]), atol=1e-5), out[0, 5].abs().max().item()
         (True, 0.0)
     """
-    from flexpack.mixers.conv import _masked_conv  # conv.py imports this module
-
     dtype, (batch, S, _) = x.dtype, x.shape
     heads, p = module.n_mamba_heads, module.mamba_head_dim
     n, rank = module.ssm_state_size, module.time_step_rank
