@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -172,6 +172,113 @@ def _check_runs(doc_ids: Tensor, where: str = "doc_ids") -> None:
         return True
 
     _ONE_RUN_EACH.get(doc_ids, check)
+
+
+def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
+    """Validate doc ids (S,) or (B, S) and return a (B, S) copy the caller owns (a mask keeps it
+    as the one snapshot all its paths read); unsigned ids become int64, so that -1 fits."""
+    if not isinstance(doc_ids, Tensor):
+        raise TypeError(
+            f"{name} must be a torch.Tensor of integer document ids, got {type(doc_ids).__name__}; "
+            f"convert it with torch.as_tensor({name}, dtype=torch.int32)."
+        )
+    if doc_ids.dtype == torch.bool or doc_ids.is_floating_point() or doc_ids.is_complex():
+        raise TypeError(
+            f"{name} must hold integer document ids (e.g. int32, -1 for padding), got dtype "
+            f"{doc_ids.dtype}; a boolean padding mask converts with "
+            f"`torch.where(mask, 0, -1).int()`, float ids with `.long()`."
+        )
+    if doc_ids.dim() not in (1, 2):
+        raise ValueError(
+            f"{name} must have shape (S,) or (B, S), got {doc_ids.dim()} dimensions "
+            f"{tuple(doc_ids.shape)}; flatten extra leading dimensions into B with "
+            f"`{name}.reshape(-1, {name}.shape[-1])`."
+        )
+    if doc_ids.numel() == 0:
+        raise ValueError(
+            f"{name} is empty (shape {tuple(doc_ids.shape)}); a mask needs at least one row of "
+            f"at least one token."
+        )
+    if not doc_ids.dtype.is_signed:  # uint8, ...: valid ids, but -1 (padding) must fit
+        # torch has no uint64 comparisons on CPU: ids >= 2**63 are the negative int64 views.
+        if doc_ids.dtype == torch.uint64 and bool((doc_ids.view(torch.int64) < 0).any()):
+            raise ValueError(
+                f"{name} holds uint64 ids >= 2**63, which would "
+                f"wrap to negative int64 ids, i.e. padding; use ids below 2**63 (any smaller "
+                f"distinct integers name the same documents)."
+            )
+        doc_ids = doc_ids.to(torch.int64)
+    return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
+
+
+def _doc_ids_from_sources(
+    B: int,
+    S: int,
+    padding: Tensor | None,
+    doc_ids: Tensor | None,
+    seq_idx: Tensor | None,
+    position_ids: Tensor | None,
+) -> Tensor:
+    """(B, S) integer document ids, -1 on padding, from the first source of a model call that is
+    given: the one rule flexpack's attention (the transformers integration) and its token mixers
+    read the call's documents by.
+
+    Args:
+        padding: (B, S') 2-D padding ``attention_mask`` (its last S columns), or None.
+        doc_ids, seq_idx: (B, S) or (1, S) integer ids, each naming one run of a row
+            (ValueError otherwise, :func:`_check_runs`, the refusal of every flexpack entry
+            point); ``doc_ids`` first.
+        position_ids: (B, S), or (k, B, S) for mRoPE; without ids a document starts wherever
+            they do not step by one (transformers' packed-sequence rule). None of the three:
+            one document per row.
+
+    Signed ids keep their dtype (an int64 id of 2**32 stays itself: a cast to int32 would merge it
+    with document 0); unsigned ids become int64 so that -1 fits, uint64 ids past int64 refused
+    (:func:`_as_doc_ids`)."""
+    given = None
+    for name, ids in (("doc_ids", doc_ids), ("seq_idx", seq_idx)):
+        if ids is not None:
+            given = name
+            if not isinstance(ids, Tensor) or tuple(ids.shape) not in ((B, S), (1, S)):
+                got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+                raise ValueError(
+                    f"{name} must be a (B, S) = {(B, S)} integer tensor like input_ids, got {got}."
+                )
+            # an alias (same storage and version counter), not a view of the caller's tensor:
+            # what the caches keep must not hold it (torch.utils.swap_tensors counts its uses)
+            ids = ids.detach()
+            break
+    else:
+        if position_ids is None:
+            ids = torch.zeros(1, S, dtype=torch.int64)  # one sequence per row: plain causal
+        else:
+            if position_ids.dim() == 3:  # mRoPE (3 or 4, B, S): the first row steps by one
+                position_ids = position_ids[0]  # along a document (temporal, or text positions)
+            # transformers' packed-sequence rule: a new sequence wherever positions don't step by 1
+            step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+            ids = (step != 1).cumsum(-1)
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise TypeError(
+            f"document ids must be an integer tensor like input_ids, got dtype {ids.dtype}; "
+            "convert with .long()."
+        )
+    if not ids.dtype.is_signed:
+        ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
+    if given is not None and ids.device.type == "cpu":
+        # flexpack's one rule: an id names one run of a row, or the call is refused (here to
+        # name the source). On a GPU the check waits for a host sync the forward makes anyway
+        # (tests/test_fake_cuda_paths.py holds it to one): flexpack.attention's plan, the
+        # mixers' plan (a host copy), PackedLayout.
+        _check_runs(ids, given)
+    ids = ids.expand(B, S)
+    if padding is not None:
+        if padding.dim() != 2:
+            raise ValueError(
+                f"flexpack attention takes a 2-D (B, S) padding attention_mask, got shape "
+                f"{tuple(padding.shape)}; pass doc_ids for packed rows instead of a 4-D mask."
+            )
+        ids = torch.where(padding[:, -S:].to(device=ids.device, dtype=torch.bool), ids, -1)
+    return ids.contiguous()
 
 
 class _Placement(NamedTuple):

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flexpack.batch import IGNORE_INDEX
-from flexpack.layout import _check_runs, _has_split_run
-from flexpack.masks import _as_doc_ids
+from flexpack.layout import _as_doc_ids, _check_runs, _has_split_run
 
 __all__ = ["packed_cross_entropy", "packed_linear_cross_entropy"]
 

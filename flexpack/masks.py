@@ -40,7 +40,7 @@ from torch.nn.attention.flex_attention import BlockMask
 
 from flexpack import block_mask as _bm
 from flexpack._tensor_cache import PerTensor, Stamp, all_match, stamps
-from flexpack.layout import _check_runs
+from flexpack.layout import _as_doc_ids, _check_runs
 
 __all__ = [
     "Mask",
@@ -73,42 +73,6 @@ _KINDS = (
 
 
 # ----------------------------------------------------------------------------- validation
-
-
-def _as_doc_ids(doc_ids: Any, name: str = "doc_ids") -> Tensor:
-    """Validate doc ids and return a (B, S) copy that the mask owns (one snapshot for all paths)."""
-    if not isinstance(doc_ids, Tensor):
-        raise TypeError(
-            f"{name} must be a torch.Tensor of integer document ids, got {type(doc_ids).__name__}; "
-            f"convert it with torch.as_tensor({name}, dtype=torch.int32)."
-        )
-    if doc_ids.dtype == torch.bool or doc_ids.is_floating_point() or doc_ids.is_complex():
-        raise TypeError(
-            f"{name} must hold integer document ids (e.g. int32, -1 for padding), got dtype "
-            f"{doc_ids.dtype}; a boolean padding mask converts with "
-            f"`torch.where(mask, 0, -1).int()`, float ids with `.long()`."
-        )
-    if doc_ids.dim() not in (1, 2):
-        raise ValueError(
-            f"{name} must have shape (S,) or (B, S), got {doc_ids.dim()} dimensions "
-            f"{tuple(doc_ids.shape)}; flatten extra leading dimensions into B with "
-            f"`{name}.reshape(-1, {name}.shape[-1])`."
-        )
-    if doc_ids.numel() == 0:
-        raise ValueError(
-            f"{name} is empty (shape {tuple(doc_ids.shape)}); a mask needs at least one row of "
-            f"at least one token."
-        )
-    if not doc_ids.dtype.is_signed:  # uint8, ...: valid ids, but -1 (padding) must fit
-        # torch has no uint64 comparisons on CPU: ids >= 2**63 are the negative int64 views.
-        if doc_ids.dtype == torch.uint64 and bool((doc_ids.view(torch.int64) < 0).any()):
-            raise ValueError(
-                f"{name} holds uint64 ids >= 2**63, which would "
-                f"wrap to negative int64 ids, i.e. padding; use ids below 2**63 (any smaller "
-                f"distinct integers name the same documents)."
-            )
-        doc_ids = doc_ids.to(torch.int64)
-    return (doc_ids if doc_ids.dim() == 2 else doc_ids[None]).clone()
 
 
 # The snapshots _as_doc_ids made, per source tensor. Masks built from one unmodified tensor (a

@@ -32,9 +32,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack import mixers
 from flexpack._tensor_cache import PerThread, Stamp, all_match, stamps
 from flexpack.integrations import _mixers_check, multimodal
 from flexpack.integrations.multimodal import collate_multimodal, pack_multimodal
+from flexpack.layout import _doc_ids_from_sources
 
 NAME = "flexpack"
 
@@ -65,8 +67,6 @@ def _register_mixer_kinds() -> None:
     """The kinds flexpack.mixers makes exact (once adapted: the mask function adapts a model
     before its first layer), ahead of the refused kinds they refine."""
     import functools
-
-    from flexpack import mixers
 
     for room in mixers.ROOMS:
         _mixers_check.register_kind(
@@ -139,8 +139,6 @@ def _pass_padding_mask(
     ``sdpa_mask``, with the layer's causal or sliding-window rule and the cache offsets), which
     :func:`flexpack_attention_forward` then applies as is: generation matches ``sdpa``.
     """
-    from flexpack import mixers
-
     model = mixers.adapt_caller(kwargs.get("config"))  # per-document state for mixers
     if model is not None:  # the model's first forward
         _warn_router_aux_loss(model, mixers.call_sources(model))
@@ -399,8 +397,6 @@ def _inner_model(model: Any) -> Any:
 def _prepare(model: Any) -> None:
     """What ``packed_forward_kwargs(model=...)`` does to the model before its rows run: adapt
     its recurrent / conv mixers, refuse what cannot be exact."""
-    from flexpack import mixers
-
     inner = _inner_model(model)
     if isinstance(inner, torch.nn.Module):
         mixers.adapt(inner)
@@ -549,7 +545,7 @@ def packed_causal_lm_loss(
     inputs["use_cache"] = False
     hidden = backbone(**inputs).last_hidden_state  # (B, S, C)
     B, S = hidden.shape[:2]
-    doc_ids = _doc_ids(
+    doc_ids = _doc_ids_from_sources(
         B, S, inputs.get("attention_mask"), inputs.get("doc_ids"), inputs.get("seq_idx"),
         inputs.get("position_ids"),
     ).to(hidden.device)  # fmt: skip
@@ -692,7 +688,8 @@ def flexpack_attention_forward(
         )
     doc_ids, seq_idx, position_ids = _sources(module, S, kwargs)
     if mask is None and rule is not None:
-        ids = _doc_ids(B, S, attention_mask, doc_ids, seq_idx, position_ids).to(query.device)
+        ids = _doc_ids_from_sources(B, S, attention_mask, doc_ids, seq_idx, position_ids)
+        ids = ids.to(query.device)
         out = _rule_attention(query, key, value, ids, rule, scale=scaling, softcap=softcap,
                               sinks=kwargs.get("s_aux"))  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
@@ -777,8 +774,6 @@ def _sources(module: torch.nn.Module, S: int, kwargs: dict[str, Any]) -> tuple:
     own = tuple(kwargs.get(k) for k in ("doc_ids", "seq_idx", "position_ids"))
     if any(v is not None for v in own):
         return own
-    from flexpack import mixers
-
     found = mixers.call_sources(module)
     if found is None:  # a forward that never called the mask function (5.17's Moshi without an
         # attention_mask): the model on the call stack gets its pre-hook now, and this call's
@@ -846,7 +841,7 @@ def _mask_for(
     # say whether this forward's inputs are the cached ones.
     key, cache = (device, B, S), _cache.get()
     if cache.get("key") != key or not all_match(cache.get("sources"), sources):
-        ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
+        ids = _doc_ids_from_sources(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
         cache.clear()
         cache.update(key=key, sources=stamps(sources), ids=ids, masks={})
     masks = cache["masks"]
@@ -876,72 +871,6 @@ def _chunk_ids(doc_ids: Tensor, chunk: int) -> Tensor:
     pieces = ids.shape[1] // chunk + 2  # chunks per document, at most
     within = _positions_in_documents(ids) // chunk
     return torch.where(ids >= 0, ids * pieces + within, -1)
-
-
-def _doc_ids(
-    B: int,
-    S: int,
-    padding: Tensor | None,
-    doc_ids: Tensor | None,
-    seq_idx: Tensor | None,
-    position_ids: Tensor | None,
-) -> Tensor:
-    """(B, S) integer document ids, -1 on padding, from the first source that is given.
-
-    Given ids (``doc_ids``, ``seq_idx``) must name one run of a row each (ValueError otherwise,
-    :func:`flexpack.layout._check_runs`, the refusal of every flexpack entry point).
-
-    Signed ids keep their dtype (an int64 id of 2**32 stays itself: a cast to int32 would merge it
-    with document 0); unsigned ids become int64 so that -1 fits, and the mask refuses uint64 ids
-    past int64 (``flexpack.masks.document``)."""
-    given = None
-    for name, ids in (("doc_ids", doc_ids), ("seq_idx", seq_idx)):
-        if ids is not None:
-            given = name
-            if not isinstance(ids, Tensor) or tuple(ids.shape) not in ((B, S), (1, S)):
-                got = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
-                raise ValueError(
-                    f"{name} must be a (B, S) = {(B, S)} integer tensor like input_ids, got {got}."
-                )
-            # an alias (same storage and version counter), not a view of the caller's tensor:
-            # what the caches keep must not hold it (torch.utils.swap_tensors counts its uses)
-            ids = ids.detach()
-            break
-    else:
-        if position_ids is None:
-            ids = torch.zeros(1, S, dtype=torch.int64)  # one sequence per row: plain causal
-        else:
-            if position_ids.dim() == 3:  # mRoPE (3 or 4, B, S): the first row steps by one
-                position_ids = position_ids[0]  # along a document (temporal, or text positions)
-            # transformers' packed-sequence rule: a new sequence wherever positions don't step by 1
-            step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
-            ids = (step != 1).cumsum(-1)
-    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
-        raise TypeError(
-            f"document ids must be an integer tensor like input_ids, got dtype {ids.dtype}; "
-            "convert with .long()."
-        )
-    if not ids.dtype.is_signed:
-        from flexpack.masks import _as_doc_ids
-
-        ids = _as_doc_ids(ids)  # refuses uint64 ids past int64, else int64
-    if given is not None and ids.device.type == "cpu":
-        from flexpack.layout import _check_runs
-
-        # flexpack's one rule: an id names one run of a row, or the call is refused (here to
-        # name the source). On a GPU the check waits for a host sync the forward makes anyway
-        # (tests/test_fake_cuda_paths.py holds it to one): flexpack.attention's plan, the
-        # mixers' plan (a host copy), PackedLayout.
-        _check_runs(ids, given)
-    ids = ids.expand(B, S)
-    if padding is not None:
-        if padding.dim() != 2:
-            raise ValueError(
-                f"flexpack attention takes a 2-D (B, S) padding attention_mask, got shape "
-                f"{tuple(padding.shape)}; pass doc_ids for packed rows instead of a 4-D mask."
-            )
-        ids = torch.where(padding[:, -S:].to(device=ids.device, dtype=torch.bool), ids, -1)
-    return ids.contiguous()
 
 
 def _build_mask(doc_ids: Tensor, is_causal: bool, sliding_window: int | None):

@@ -48,6 +48,7 @@ import torch
 from torch import Tensor
 
 from flexpack._tensor_cache import all_match, on_clear, stamps
+from flexpack.layout import _doc_ids_from_sources
 from flexpack.mixers import conv, delta, dynamic_conv, linear, rglru, rwkv, ssm, xlstm
 from flexpack.mixers._plan import DocumentPlan
 from flexpack.mixers._room import Room, uses_kernels
@@ -172,8 +173,6 @@ class _Call:
     def plan_for(
         self, B: int, S: int, kwargs: dict[str, Any], device, pad_factor: float
     ) -> DocumentPlan:
-        from flexpack.integrations.transformers import _doc_ids
-
         sources = self.current()
         own = {k: kwargs.get(k) for k in ("doc_ids", "seq_idx")}
         src = own if any(v is not None for v in own.values()) else sources
@@ -192,7 +191,8 @@ class _Call:
         # Stamps, not (id, _version): they see writes through numpy and .data, and inference
         # tensors (no version counter) too.
         if self.plan_key != (B, S) or not all_match(self.stamped, tensors):
-            self.ids = _doc_ids(B, S, padding, doc_ids, seq_idx, position_ids).to(device)
+            ids = _doc_ids_from_sources(B, S, padding, doc_ids, seq_idx, position_ids)
+            self.ids = ids.to(device)
             self.plans = {}
             self.plan_key = (B, S)
             self.stamped = stamps(tensors)
