@@ -1,6 +1,6 @@
 """Inner loops of the packers, twice: numpy for small inputs, numba kernels for large ones.
 
-Imported lazily by :mod:`flexpack.packing` and :mod:`flexpack.batch`; importing this module
+Imported lazily by :mod:`flexpack.packing` and ``flexpack._packed_batch``; importing this module
 imports numpy only. Each public function below (``make_pieces``, the packers, ``wrap``,
 ``emit_segments``, ``assemble_rows``) has two implementations that return identical arrays
 (``tests/properties/test_kernel_paths.py`` checks them against each other):

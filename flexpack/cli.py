@@ -422,7 +422,7 @@ def _write_parquet(plan: PackPlan, samples: _Samples, out: str, pad_id: int, bar
     import numpy as np
     import pyarrow as pa
 
-    from flexpack.batch import _assemble
+    from flexpack._packed_batch import _assemble
 
     pq = _import_pyarrow_parquet("writing Parquet")
     max_len = plan.max_len

@@ -38,7 +38,7 @@ from flexpack._choices import OVERFLOWS, STRATEGIES
 if TYPE_CHECKING:
     import torch
 
-    from flexpack.batch import PackedBatch
+    from flexpack._packed_batch import PackedBatch
     from flexpack.layout import PackedLayout
 
 __all__ = ["OVERFLOWS", "STRATEGIES", "DocsPerRow", "PackPlan", "PackStats", "pack"]
@@ -240,10 +240,10 @@ class PackPlan:
             tensor([[-100,    2,    3, -100,    5,    6,    7,    8],
                     [-100,   10, -100,   12,   13,   14, -100, -100]])
         """
-        from flexpack.batch import _materialize
+        from flexpack._packed_batch import _materialize
 
         seg, num_docs = self._select(rows)
-        return _materialize(self, seg, num_docs, sequences, pad_id=pad_id)
+        return _materialize(seg, num_docs, self.max_len, self.lengths, sequences, pad_id=pad_id)
 
 
 def _is_tensor(x: Any) -> bool:

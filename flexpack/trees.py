@@ -364,7 +364,7 @@ def pack_trees(
             "strategy='wrap' cuts samples at row ends, but a tree must stay whole in its row; "
             "use 'bfd' (default), 'ffd' or 'greedy'."
         )
-    from flexpack.batch import _check_pad_id
+    from flexpack._packed_batch import _check_pad_id
 
     pad_id = _check_pad_id(pad_id)  # an int in 0..2**63 - 1, as pack_sequences takes it
     trees = [_flatten(group, g) for g, group in enumerate(groups)]

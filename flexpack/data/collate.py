@@ -74,7 +74,7 @@ def rows_from_flat(
     ids); seqlens: (N,) document lengths, row-major; num_docs: (R,) documents per row.
     The first token of every document gets label -100, as in every packed row.
     """
-    from flexpack.batch import _assemble
+    from flexpack._packed_batch import _assemble
 
     seqlens = np.asarray(seqlens, dtype=np.int64)
     num_docs = np.asarray(num_docs, dtype=np.int64)
@@ -184,7 +184,7 @@ def collate(rows: Sequence[Any], *, max_len: int | None = None, pad_id: int = 0)
         >>> batch.labels
         tensor([[-100,    6,    7, -100,    9, -100, -100, -100]])
     """
-    from flexpack.batch import PackedBatch
+    from flexpack._packed_batch import PackedBatch
     from flexpack.layout import PackedLayout
 
     if len(rows) == 0:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.batch import PackedBatch, _check_pad_id
+from flexpack._packed_batch import PackedBatch, _check_pad_id
 from flexpack.data._common import (
     _is_arrow,
     _is_hf_dataset,

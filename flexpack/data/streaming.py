@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from flexpack.batch import _check_pad_id, _from_pieces
+from flexpack._packed_batch import _check_pad_id, _from_pieces
 from flexpack.data._common import (
     HFSource,
     _check_list_type,

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from flexpack.batch import _from_pieces
+from flexpack._packed_batch import _from_pieces
 from flexpack.data._common import (
     ArrowSource,
     check_labels,
