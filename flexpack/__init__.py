@@ -14,10 +14,11 @@ The names below load on first use (PEP 562), so ``import flexpack`` and the ``fl
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import sys
 import types
 from typing import TYPE_CHECKING, Any
+
+from flexpack._version import __version__ as __version__
 
 if TYPE_CHECKING:
     from flexpack.attention import RecompileLimitError, attention
@@ -28,16 +29,6 @@ if TYPE_CHECKING:
     from flexpack.masks import document_causal_mask, document_mask, prefix_lm_mask
     from flexpack.packing import PackPlan, PackStats, pack
     from flexpack.trees import TreeBatch, pack_trees
-
-
-def _version() -> str:
-    try:
-        return importlib.metadata.version("flexpack")
-    except importlib.metadata.PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
-        return "0.2.0"
-
-
-__version__ = _version()
 
 _EXPORTS = {
     "CheckReport": "flexpack.check",

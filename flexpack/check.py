@@ -61,6 +61,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flexpack._version import __version__
+
 __all__ = ["FULL_LIMIT", "LONGEST", "CheckReport", "check", "verified", "write_verified"]
 
 # Models with at most this many floating-point parameters run every layer in the probe (float64
@@ -243,9 +245,7 @@ def check(
     _check_arguments(atol, rtol, probe, lengths)
     import transformers
 
-    import flexpack
-
-    versions = (transformers.__version__, flexpack.__version__)
+    versions = (transformers.__version__, __version__)
     kind = _probe_kind(inner, probe)
     setting = (kind, atol, rtol, None if lengths is None else tuple(lengths))
     known = _verdicts.get(inner)
@@ -733,12 +733,12 @@ def _run(
 ) -> tuple[float, list[tuple[int, int]]]:
     """The packed row through flexpack, each document alone under eager, on the borrowed model:
     (max |diff| of the output, the documents' spans); raises _NotExact."""
-    import flexpack
+    from flexpack.batch import pack_sequences
     from flexpack.integrations.transformers import packed_forward_kwargs, register
 
     failed = None
     lengths = [len(d) for d in documents]
-    batch = flexpack.pack_sequences(documents, sum(lengths) + PADDING)
+    batch = pack_sequences(documents, sum(lengths) + PADDING)
     spans = _spans(batch.doc_ids[0].tolist())
     with torch.no_grad(), torch.autocast("cpu", enabled=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "its attention is not flexpack's": the verdict says
@@ -1020,10 +1020,8 @@ def verified(
         >>> verified("NoSuchModelForCausalLM", "5.25.0") is None
         True
     """
-    import flexpack
-
     table = _load(str(_TABLE if path is None else path))
-    if table.get("flexpack") != flexpack.__version__:
+    if table.get("flexpack") != __version__:
         return None
     return table.get("models", {}).get(model_class_name, {}).get(transformers_version)
 
@@ -1061,8 +1059,6 @@ def write_verified(
         >>> verified("LlamaForCausalLM", "5.25.0", path=path)
         'exact'
     """
-    import flexpack
-
     for name, by_version in verdicts.items():
         if not isinstance(name, str) or not isinstance(by_version, dict):
             raise ValueError(
@@ -1079,11 +1075,11 @@ def write_verified(
     path = Path(path)
     if merge and path.exists():
         old = json.loads(path.read_text())
-        if old.get("flexpack") == flexpack.__version__:
+        if old.get("flexpack") == __version__:
             models = {k: dict(v) for k, v in old.get("models", {}).items()}
     for name, by_version in verdicts.items():
         models.setdefault(name, {}).update(by_version)
-    table = {"flexpack": flexpack.__version__, "models": models}
+    table = {"flexpack": __version__, "models": models}
     path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     _load.cache_clear()
 

@@ -21,9 +21,9 @@ VERSION = PROJECT["version"]
 
 
 def _fallback_version() -> str:
-    """The string flexpack/__init__.py's _version() returns from a checkout that is not
+    """The string flexpack/_version.py's _version() returns from a checkout that is not
     installed (read from the source: the import would ask the installed metadata first)."""
-    tree = ast.parse((ROOT / "flexpack" / "__init__.py").read_text())
+    tree = ast.parse((ROOT / "flexpack" / "_version.py").read_text())
     func = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_version")
     values = [
         n.value.value
