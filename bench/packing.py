@@ -146,11 +146,17 @@ def count_only_bfd() -> Callable[[np.ndarray, int], int]:
     """An anchor, not a peer: the least work a best-fit decreasing can do, in numba.
 
     Sizes sorted by a histogram (no order array), open rows counted per free capacity behind
-    a presence tree (flexpack's own structure), and only the number of rows returned: no
-    assignment, so nothing to emit. ``pack`` must also say which row every sample goes to;
-    its time over this one is what that costs.
+    flexpack's own presence tree (its kernels' walks, called as they are), and only the number
+    of rows returned: no assignment, so nothing to emit. ``pack`` must also say which row every
+    sample goes to; its time over this one is what that costs.
     """
     from numba import njit
+
+    from flexpack import _kernels
+
+    kernels = _kernels._compiled()
+    first_at_least = kernels._nb_tree_first_at_least
+    tree_set, tree_clear = kernels._nb_tree_set, kernels._nb_tree_clear
 
     @njit(cache=True)
     def rows_of_bfd(lengths, max_len):
@@ -165,19 +171,7 @@ def count_only_bfd() -> Callable[[np.ndarray, int], int]:
         rows = 0
         for s in range(max_len, 0, -1):
             for _ in range(counts[s]):
-                node = s + size  # the smallest free capacity >= s: up, then down
-                c = -1
-                if tree[node]:
-                    c = s
-                else:
-                    while node > 1:
-                        if (node & 1) == 0 and tree[node + 1]:
-                            node += 1
-                            while node < size:
-                                node = 2 * node if tree[2 * node] else 2 * node + 1
-                            c = node - size
-                            break
-                        node >>= 1
+                c = first_at_least(tree, size, s)
                 if c < 0:
                     rows += 1
                     free = max_len
@@ -185,22 +179,11 @@ def count_only_bfd() -> Callable[[np.ndarray, int], int]:
                     free = c
                     open_rows[c] -= 1
                     if open_rows[c] == 0:
-                        node = c + size
-                        tree[node] = 0
-                        node >>= 1
-                        while node >= 1:
-                            v = tree[2 * node] | tree[2 * node + 1]
-                            if v == tree[node]:
-                                break
-                            tree[node] = v
-                            node >>= 1
+                        tree_clear(tree, size, c)
                 left = free - s
                 if left > 0:
                     if open_rows[left] == 0:
-                        node = left + size
-                        while node >= 1 and tree[node] == 0:
-                            tree[node] = 1
-                            node >>= 1
+                        tree_set(tree, size, left)
                     open_rows[left] += 1
         return rows
 
